@@ -1,0 +1,208 @@
+"""The coordinator: walk iterations x stages, skip what is done, launch the rest, retry, stop with a summary.
+
+It runs inside an allocation (or locally) for the whole job and stays light: it never imports torch
+except to create the built-in base model once. Everything it knows comes from the run directory,
+so a killed or requeued coordinator resumes where the markers say.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import filelock
+
+from stages.common import markers
+from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, dump_config, load_config, to_dict
+from stages.common import retry as policies
+from stages.common.paths import STAGES, RunPaths
+from stages.common.stage import base_model_id
+
+log = logging.getLogger("syncrl.coordinator")
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+LOG_TAIL_LINES = 15
+
+
+class StageFailed(RuntimeError):
+    """A stage attempt failed; the message is the user-facing summary."""
+
+
+def prepare_run(cfg: RunConfig) -> RunPaths:
+    """Freeze the config into the run dir (refusing a semantic change on resume) and create the base model."""
+    resolve_paths(cfg)
+    paths = RunPaths(cfg.run_dir)
+    if paths.root.exists() and not paths.root.is_dir():
+        raise ConfigError(f"run_dir {paths.root} exists and is not a directory: choose another run_dir")
+    paths.root.mkdir(parents=True, exist_ok=True)
+    if paths.config.is_file():
+        frozen = load_config(paths.config)
+        if config_hash(frozen) != config_hash(cfg):
+            diff = "; ".join(config_diff(to_dict(frozen), to_dict(cfg)))
+            raise ConfigError(
+                f"{paths.config}: the config differs from the one this run started with ({diff}). "
+                f"Resume with the same settings, or start a new run with another run_dir")
+    markers.write_text_atomic(paths.config, dump_config(cfg))
+    if not cfg.model.path and not paths.base_model.is_dir():
+        from stages.common.tiny_model import create_base_model
+
+        log.info("creating the built-in %s base model in %s", cfg.model.preset, paths.base_model)
+        create_base_model(paths.base_model, cfg.model.preset, cfg.seed)
+    return paths
+
+
+def resolve_paths(cfg: RunConfig) -> None:
+    """Make file paths absolute, so stages find them whatever their working directory.
+
+    A relative path is looked up in the working directory first, then in the project's checkout
+    (where configs/ lives), so `syncrl run configs/x.yaml` works from anywhere.
+    """
+    cfg.run_dir = str(Path(cfg.run_dir).expanduser().resolve())
+    for section, key in (("train", "deepspeed_config"), ("model", "path"), ("model", "tokenizer"),
+                         ("data", "source")):
+        obj = getattr(cfg, section)
+        value = getattr(obj, key)
+        if not value or value == "synthetic" or Path(value).is_absolute():
+            continue
+        for base in (Path.cwd(), PROJECT_ROOT):
+            if (base / value).exists():
+                setattr(obj, key, str((base / value).resolve()))
+                break
+        else:
+            if section != "data":  # a data source may be a hub name
+                raise ConfigError(f"{section}.{key}: {value} not found (looked in {Path.cwd()} and {PROJECT_ROOT})")
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, launcher):
+        self.cfg = cfg
+        self.launcher = launcher
+        self.paths = RunPaths(cfg.run_dir)
+        self.chash = config_hash(cfg)
+
+    def run(self) -> None:
+        lock = filelock.FileLock(self.paths.lock)
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise ConfigError(f"another coordinator is running on {self.paths.root} "
+                              f"(lock {self.paths.lock} is held); wait for it or stop it first") from None
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            t0 = time.time()
+            for it in range(self.cfg.iterations):
+                self.run_iteration(it)
+            log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
+                     self.paths.root)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            lock.release()
+
+    def run_iteration(self, it: int) -> None:
+        t0 = time.time()
+        stage_s = 0.0
+        for stage in STAGES:
+            stage_s += self.run_stage(it, stage)
+        total = time.time() - t0
+        stats = markers.read_marker(self.paths, it, "gather") or {}
+        s = stats.get("stats", {})
+        log.info("iteration %d done in %.1fs (coordinator overhead %.2fs): reward %.3f accuracy %.3f",
+                 it, total, total - stage_s, s.get("reward_mean", float("nan")), s.get("accuracy", float("nan")))
+
+    def run_stage(self, it: int, stage: str) -> float:
+        """Run one stage to completion (or raise StageFailed); returns the seconds spent in launches."""
+        inputs = markers.input_fingerprint(self.paths, it, stage, base_model_id(self.cfg))
+        marker = markers.read_marker(self.paths, it, stage)
+        problem = markers.marker_problem(self.paths, marker, self.chash, inputs)
+        if problem is None:
+            log.info("iteration %d %-8s already done, skipping", it, stage)
+            return 0.0
+        if marker is not None:
+            log.info("iteration %d %-8s redoing: %s", it, stage, problem)
+            markers.clear_stage(self.paths, it, stage)
+        launched = 0.0
+        first_start = time.time()
+        retry = self.cfg.retry
+        retrying = policies.stage_attempts(
+            retry.attempts, retry.backoff_s, retry.max_backoff_s, StageFailed,
+            lambda n, e: f"iteration {it} {stage} failed (attempt {n} of {retry.attempts}), retrying: {e}")
+        for attempt_state in retrying:
+            with attempt_state:
+                attempt = self.paths.attempts_so_far(it, stage) + 1
+                self._write_state(it, stage, "running", attempt)
+                log.info("iteration %d %-8s launching attempt %d on %d task(s)", it, stage, attempt,
+                         self.launcher.ntasks(stage))
+                result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
+                launched += result.elapsed_s
+                self._check_attempt(it, stage, attempt, inputs, result)
+        self._write_stage_marker(it, stage, inputs, first_start, attempt)
+        return launched
+
+    def _check_attempt(self, it: int, stage: str, attempt: int, inputs: str, result) -> None:
+        n = self.launcher.ntasks(stage)
+        bad = set(result.failed_ranks)
+        if not bad:
+            bad = self._ranks_without_marker(it, stage, n, inputs)
+        if not bad and not result.timed_out:
+            return
+        self._write_state(it, stage, "failed", attempt, sorted(bad), result.hosts)
+        why = "timed out" if result.timed_out else f"failed on rank(s) {','.join(map(str, sorted(bad)))}"
+        raise StageFailed(f"iteration {it} {stage} attempt {attempt} {why}\n" +
+                          self._log_tails(it, stage, attempt, sorted(bad) or list(range(n)), result))
+
+    def _ranks_without_marker(self, it: int, stage: str, n: int, inputs: str) -> set[int]:
+        """Ranks that exited 0 but left no valid marker; a missing one is awaited briefly (filesystem lag)."""
+        def missing():
+            return {r for r in range(n) if markers.marker_problem(
+                self.paths, markers.read_marker(self.paths, it, stage, r), self.chash, inputs) is not None}
+
+        return policies.until_empty(self.cfg.retry.marker_wait_s)(missing)
+
+    def _write_stage_marker(self, it: int, stage: str, inputs: str, start: float, attempt: int) -> None:
+        n = self.launcher.ntasks(stage)
+        ranks = [markers.read_marker(self.paths, it, stage, r) for r in range(n)]
+        outputs, prunable = {}, []
+        for m in ranks:
+            outputs.update(m["outputs"])
+            prunable += m.get("prunable", [])
+        summary = {k: v for k, v in ranks[0].items() if k not in
+                   ("outputs", "prunable", "stage", "iteration", "rank", "host", "attempt", "start", "end",
+                    "config_hash", "inputs")}
+        markers.write_marker(
+            self.paths, it, stage, None, attempt=attempt, start=start, config_hash=self.chash, inputs=inputs,
+            outputs=outputs, extra={**summary, "world_size": n, "attempts": attempt,
+                                    "hosts": sorted({m["host"] for m in ranks}), "prunable": sorted(set(prunable)),
+                                    "duration_s": time.time() - start})
+        (self.paths.markers(it) / f"{stage}.state.json").unlink(missing_ok=True)
+
+    def _write_state(self, it: int, stage: str, state: str, attempt: int, failed_ranks=(), hosts=None) -> None:
+        markers.write_json_atomic(self.paths.markers(it) / f"{stage}.state.json", {
+            "state": state, "attempt": attempt, "time": time.time(), "failed_ranks": list(failed_ranks),
+            "hosts": sorted(set((hosts or {}).values())), "coordinator": f"{socket.gethostname()}:{os.getpid()}"})
+
+    def _log_tails(self, it: int, stage: str, attempt: int, ranks: list[int], result) -> str:
+        parts = []
+        for r in ranks[:4]:
+            p = self.paths.rank_log(it, stage, attempt, r)
+            code = result.returncodes.get(r)
+            try:
+                lines = p.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            except FileNotFoundError:
+                lines = ["(no log file)"]
+            parts.append(f"--- rank {r} (exit {code}) {p}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+def _terminate(signum, frame):
+    # SIGTERM (scancel, a time limit) unwinds like Ctrl-C so launchers kill their children.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def setup_coordinator_logging() -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s coordinator %(levelname)s %(message)s", datefmt="%H:%M:%S")

@@ -1,0 +1,67 @@
+"""`syncrl status RUN_DIR`: the iterations x stages table, read from markers only (torch-free)."""
+
+from __future__ import annotations
+
+import filelock
+
+from stages.common import markers
+from stages.common.config import config_hash, load_config
+from stages.common.paths import STAGES, RunPaths
+from stages.common.stage import base_model_id
+
+
+def stage_states(run_dir: str) -> list[dict]:
+    """One dict per (iteration, stage): state, duration_s, attempts, hosts, failed_ranks."""
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise FileNotFoundError(f"{paths.config} not found: {paths.root} is not a syncrl run directory")
+    cfg = load_config(paths.config)
+    chash = config_hash(cfg)
+    running = _coordinator_running(paths)
+    rows = []
+    for it in range(max(cfg.iterations, max(paths.iterations_present(), default=-1) + 1)):
+        for stage in STAGES:
+            rows.append(_state(paths, it, stage, chash, base_model_id(cfg), running))
+    return rows
+
+
+def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running: bool) -> dict:
+    row = {"iteration": it, "stage": stage, "state": "pending", "duration_s": None,
+           "attempts": paths.attempts_so_far(it, stage), "hosts": [], "failed_ranks": []}
+    m = markers.read_marker(paths, it, stage)
+    if m is not None:
+        problem = markers.marker_problem(paths, m, chash, markers.input_fingerprint(paths, it, stage, base))
+        row.update(state="done" if problem is None else "stale", duration_s=m.get("duration_s"),
+                   hosts=m.get("hosts", []))
+        return row
+    try:
+        st = markers.read_json(paths.markers(it) / f"{stage}.state.json")
+    except (FileNotFoundError, ValueError):
+        return row
+    state = st["state"]
+    if state == "running" and not running:
+        state = "interrupted"  # the coordinator that launched it is gone
+    row.update(state=state, hosts=st.get("hosts", []), failed_ranks=st.get("failed_ranks", []))
+    return row
+
+
+def _coordinator_running(paths: RunPaths) -> bool:
+    lock = filelock.FileLock(paths.lock)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return True
+    lock.release()
+    return False
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'iter':>5}  {'stage':<9}{'state':<12}{'duration':>9}  {'attempts':>8}  {'hosts':<12}failed ranks"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        dur = f"{r['duration_s']:.1f}s" if r["duration_s"] is not None else "-"
+        lines.append(f"{r['iteration']:>5}  {r['stage']:<9}{r['state']:<12}{dur:>9}  {r['attempts']:>8}  "
+                     f"{','.join(r['hosts']) or '-':<12}{','.join(map(str, r['failed_ranks'])) or '-'}")
+    done = sum(r["state"] == "done" for r in rows)
+    lines.append(f"{done}/{len(rows)} stages done")
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""Run configuration: nested dataclasses loaded from YAML plus `key.sub=value` overrides.
+
+Strict on purpose: a typo in a week-long run's config must fail at launch, not silently fall back
+to a default. Torch-free, so `syncrl status` and the CPU stages start fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the key or file and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    # An HF model directory. Empty means the built-in tiny preset, created under the run dir by
+    # syncrl itself (no model hub is needed).
+    path: str = ""
+    tokenizer: str = ""  # defaults to `path`
+    preset: str = "tiny-llama"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self):
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.preset", self.preset, ("tiny-llama",))
+
+
+@dataclass
+class DataConfig:
+    # "synthetic" (built-in arithmetic task), a local GSM8K-format JSONL path, or a `datasets` hub name.
+    source: str = "synthetic"
+    split: str = "train"
+    prompts_per_iteration: int = 16
+    prompt_template: str = "{question}\n"
+    # Synthetic task only: operands are drawn from [0, synthetic_max_operand].
+    synthetic_max_operand: int = 4
+    synthetic_size: int = 2000
+
+    def __post_init__(self):
+        _positive("data.prompts_per_iteration", self.prompts_per_iteration)
+        _positive("data.synthetic_max_operand", self.synthetic_max_operand)
+        _positive("data.synthetic_size", self.synthetic_size)
+        if "{question}" not in self.prompt_template:
+            raise ConfigError(
+                "data.prompt_template must contain '{question}' (for example \"Question: {question}\\nAnswer:\")"
+            )
+
+
+@dataclass
+class GenerateConfig:
+    attempts: int = 8  # samples per prompt (the GRPO group size)
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    batch_size: int = 64  # prompts x attempts sequences per generate call
+    backend: str = "hf"
+
+    def __post_init__(self):
+        _positive("generate.attempts", self.attempts)
+        _positive("generate.max_new_tokens", self.max_new_tokens)
+        _positive("generate.batch_size", self.batch_size)
+        if not self.temperature > 0:
+            raise ConfigError(f"generate.temperature must be > 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
+        _choice("generate.backend", self.backend, ("hf",))
+
+
+@dataclass
+class ScoreConfig:
+    correct_reward: float = 1.0
+    # Paid when the completion contains a parseable final answer: it gives a from-scratch policy a
+    # signal before it is ever right, and shapes it towards answering at all.
+    format_reward: float = 0.1
+    # Extra when the answer is given in the GSM8K `#### N` form.
+    marker_reward: float = 0.0
+    # Penalty per completion that hit max_new_tokens without an end-of-sequence token.
+    truncation_penalty: float = 0.0
+
+
+@dataclass
+class GatherConfig:
+    advantage: str = "grpo"  # grpo | rloo | none
+    normalize_std: bool = True  # GRPO: divide by the group's std
+    drop_zero_variance: bool = False  # drop groups whose rewards are all equal (no signal)
+    rejection_sampling: bool = False  # keep only completions with reward > group mean
+
+    def __post_init__(self):
+        _choice("gather.advantage", self.advantage, ("grpo", "rloo", "none"))
+
+
+@dataclass
+class TrainConfig:
+    deepspeed_config: str = "configs/ds_zero2_cpu.json"
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    micro_batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    epochs: int = 1
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # off by default, as in the original 70B runs
+    max_grad_norm: float = 1.0
+    timeout_s: int = 600  # process-group init and collectives
+
+    def __post_init__(self):
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        _positive("train.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _positive("train.epochs", self.epochs)
+        _positive("train.timeout_s", self.timeout_s)
+        _choice("train.backend", self.backend, ("auto", "nccl", "gloo"))
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0 (got {self.lr})")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"train.clip_eps must be in (0, 1) (got {self.clip_eps})")
+        if self.kl_coef < 0:
+            raise ConfigError(f"train.kl_coef must be >= 0 (got {self.kl_coef})")
+
+
+@dataclass
+class SaveConfig:
+    keep_checkpoints: int = 1  # DeepSpeed checkpoints kept; the newest is needed to resume the optimizer
+    keep_models: int = 0  # HF models kept (0 = all)
+
+    def __post_init__(self):
+        _positive("save.keep_checkpoints", self.keep_checkpoints)
+        if self.keep_models < 0:
+            raise ConfigError(f"save.keep_models must be >= 0 (got {self.keep_models}); 0 keeps all")
+
+
+@dataclass
+class RetryConfig:
+    attempts: int = 2  # launches per stage before the run stops
+    backoff_s: float = 2.0  # wait before a retry, doubled each time
+    max_backoff_s: float = 60.0
+    marker_wait_s: float = 10.0  # how long a missing marker is awaited (shared-filesystem lag)
+    stage_timeout_s: int = 0  # kill a stage attempt after this long (0 = no limit beyond SLURM's)
+
+    def __post_init__(self):
+        _positive("retry.attempts", self.attempts)
+        if self.backoff_s < 0 or self.marker_wait_s < 0 or self.stage_timeout_s < 0:
+            raise ConfigError("retry.backoff_s, retry.marker_wait_s and retry.stage_timeout_s must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"
+    iterations: int = 1
+    seed: int = 0
+    ranks: int = 2  # processes per multi-rank stage when launched locally
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    gather: GatherConfig = field(default_factory=GatherConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self):
+        _positive("iterations", self.iterations)
+        _positive("ranks", self.ranks)
+        if not self.run_dir:
+            raise ConfigError("run_dir is empty: set it in the config or as run_dir=PATH")
+
+
+# Keys that change how a run is executed but not what it computes: changing them on resume is fine.
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry")
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Load a YAML config (or the defaults when path is None) and apply `key.sub=value` overrides."""
+    raw: dict = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} not found (or not a file): pass an existing YAML file")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise ConfigError(f"{path}: YAML syntax error{at}: {getattr(e, 'problem', e)}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of keys, got {type(raw).__name__}")
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    return from_dict(RunConfig, raw, source=source)
+
+
+def from_dict(cls, raw: dict, source: str = "config", prefix: str = ""):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"section '{prefix.rstrip('.')}'" if prefix else "top level"
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{unknown[0]}' in {where}; valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}", source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of what the run computes; keys in NON_SEMANTIC_KEYS are left out."""
+    d = {k: v for k, v in to_dict(cfg).items() if k not in NON_SEMANTIC_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Lines `key: old -> new` for every semantic key that differs."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if not prefix and key in NON_SEMANTIC_KEYS:
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            lines.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return lines
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' has no '=': write key=value, for example iterations=2")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{item}' has an empty key: write key=value, for example iterations=2")
+    try:
+        # YAML scalars give the natural types: 2 -> int, 1e-3 -> float, true -> bool.
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def _set_dotted(raw: dict, key: str, value) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _coerce(hint, value, key: str, source: str):
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{key}' is a section; give it keys, not {value!r}")
+        return from_dict(hint, value, source, prefix=f"{key}.")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{source}: '{key}' must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)  # YAML reads "1e-3" (no dot) as a string
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"{source}: '{key}' must be a finite number, got {value!r}")
+            return float(value)
+        raise ConfigError(f"{source}: '{key}' must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{source}: '{key}' must be a string, got {value!r}")
+    return value
+
+
+def _positive(key: str, value) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0 (got {value})")
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)} (got {value!r})")

@@ -1,0 +1,118 @@
+"""The one module that knows SLURM and torchrun variable names.
+
+`dist_info()` reads the rank layout from whichever launcher started us (srun, torchrun, or syncrl's
+LocalLauncher, which sets the torchrun names), with a single-process fallback. Process-group setup
+imports torch lazily, so torch-free stages can use the rest of this module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# field -> (torchrun/local name, SLURM name). The torchrun name wins when both are set, because
+# torchrun (or the LocalLauncher) inside an allocation knows the real process layout.
+ENV_TABLE = {
+    "rank": ("RANK", "SLURM_PROCID"),
+    "local_rank": ("LOCAL_RANK", "SLURM_LOCALID"),
+    "world_size": ("WORLD_SIZE", "SLURM_NTASKS"),
+    "node_id": ("SYNCRL_NODE_ID", "SLURM_NODEID"),
+    "num_nodes": ("SYNCRL_NUM_NODES", "SLURM_STEP_NUM_NODES"),
+}
+JOB_ID_VAR = "SLURM_JOB_ID"
+NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    node_id: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    host: str = ""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tag(self) -> str:
+        """Log prefix: `n<node>:r<rank>`."""
+        return f"n{self.node_id}:r{self.rank}"
+
+
+def dist_info(env: dict | None = None) -> DistInfo:
+    env = os.environ if env is None else env
+    values = {}
+    for name, keys in ENV_TABLE.items():
+        for key in keys:
+            if env.get(key, "") != "":
+                values[name] = int(env[key])
+                break
+    return DistInfo(
+        **values,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", "29500")),
+        host=socket.gethostname(),
+    )
+
+
+def slurm_job_id(env: dict | None = None) -> str | None:
+    env = os.environ if env is None else env
+    return env.get(JOB_ID_VAR) or None
+
+
+def init_process_group(info: DistInfo, backend: str, timeout_s: int) -> None:
+    """Join the stage's process group with a bounded timeout (a missing rank fails, never hangs)."""
+    import torch.distributed as tdist
+
+    if info.world_size == 1 or tdist.is_initialized():
+        return
+    log.info("joining process group: backend=%s world=%d master=%s:%d timeout=%ds",
+             backend, info.world_size, info.master_addr, info.master_port, timeout_s)
+    tdist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    try:
+        import torch.distributed as tdist
+    except ImportError:
+        return
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def pick_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def export_torch_env(info: DistInfo) -> None:
+    """Set the torchrun variable names from `info`, for libraries (DeepSpeed) that read only those.
+
+    Under srun only the SLURM names exist; every value that replaces a different one is logged.
+    """
+    wanted = {"RANK": info.rank, "LOCAL_RANK": info.local_rank, "WORLD_SIZE": info.world_size,
+              "MASTER_ADDR": info.master_addr, "MASTER_PORT": info.master_port}
+    for key, value in wanted.items():
+        old = os.environ.get(key)
+        if old is not None and old != str(value):
+            log.warning("overriding %s=%s with %s", key, old, value)
+        os.environ[key] = str(value)

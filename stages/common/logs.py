@@ -1,0 +1,45 @@
+"""One logging setup for every stage: `[n<node>:r<rank>] <elapsed>s LEVEL message`.
+
+The launcher (srun --output, or the LocalLauncher) sends each rank's stdout and stderr to its own
+file under logs/iter_I/<stage>/attempt_A/, so writing to stderr here puts everything in that file.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+_START = time.monotonic()
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag = tag
+
+    def format(self, record: logging.LogRecord) -> str:
+        elapsed = time.monotonic() - _START
+        line = f"[{self.tag}] {elapsed:7.1f}s {record.levelname:<7} {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(tag: str, level: int = logging.INFO) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(tag))
+    root.addHandler(handler)
+    root.setLevel(level)
+    # Libraries that log at INFO on every call would drown the rank logs.
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def log0(logger: logging.Logger, rank: int, msg: str, *args) -> None:
+    """Log from rank 0 only, for lines every rank would repeat."""
+    if rank == 0:
+        logger.info(msg, *args)

@@ -1,0 +1,193 @@
+"""Completion markers and atomic writes.
+
+A marker is written last, after every output it lists has been published by atomic rename, so a
+marker's presence means its outputs are whole. A stage is skipped only when its marker matches the
+current config hash and input fingerprint, and its listed outputs are still there at their sizes.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from stages.common.paths import RunPaths
+
+# Files above this are recorded by size only: hashing a 140 GB checkpoint on every marker would cost
+# minutes of allocation time for little safety over the size check.
+HASH_LIMIT_BYTES = 64 << 20
+
+# What each stage of iteration I reads; (stage, offset) means that stage of iteration I + offset.
+DEPENDENCIES = {
+    "generate": (("save", -1),),
+    "score": (("generate", 0),),
+    "gather": (("score", 0),),
+    "train": (("gather", 0), ("save", -1)),
+    "save": (("train", 0),),
+}
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+def file_record(path: Path, root: Path) -> dict:
+    """Size, and sha256 for files small enough to hash, of one output, keyed relative to the run dir."""
+    path = Path(path)
+    size = path.stat().st_size
+    rec = {"size": size}
+    if size <= HASH_LIMIT_BYTES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        rec["sha256"] = h.hexdigest()
+    return rec
+
+
+def outputs_record(paths: list[Path], root: Path) -> dict:
+    """Records for files and (recursively) directories, keyed by path relative to the run dir."""
+    out = {}
+    for p in paths:
+        p = Path(p)
+        files = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
+        for f in files:
+            out[str(f.relative_to(root))] = file_record(f, root)
+    return out
+
+
+def marker_name(stage: str, rank: int | None = None) -> str:
+    return f"{stage}.done" if rank is None else f"{stage}.rank_{rank:05d}.done"
+
+
+def write_marker(paths: RunPaths, it: int, stage: str, rank: int | None, *, attempt: int, start: float,
+                 config_hash: str, inputs: str, outputs: dict, extra: dict | None = None) -> dict:
+    marker = {
+        "stage": stage,
+        "iteration": it,
+        "rank": rank,
+        "host": socket.gethostname(),
+        "attempt": attempt,
+        "start": start,
+        "end": time.time(),
+        "config_hash": config_hash,
+        "inputs": inputs,
+        "outputs": outputs,
+    }
+    marker.update(extra or {})
+    write_json_atomic(paths.markers(it) / marker_name(stage, rank), marker)
+    return marker
+
+
+def read_marker(paths: RunPaths, it: int, stage: str, rank: int | None = None) -> dict | None:
+    p = paths.markers(it) / marker_name(stage, rank)
+    try:
+        return read_json(p)
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # unreadable marker = not done; the stage is redone
+
+
+def rank_markers_present(paths: RunPaths, it: int, stage: str) -> set[int]:
+    """Ranks whose per-rank marker exists, from one listing of the marker directory."""
+    d = paths.markers(it)
+    prefix = f"{stage}.rank_"
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return set()
+    return {int(n[len(prefix):len(prefix) + 5]) for n in names if n.startswith(prefix) and n.endswith(".done")}
+
+
+def input_fingerprint(paths: RunPaths, it: int, stage: str, base_model: str) -> str:
+    """Hash of what `stage` of iteration `it` reads: its upstream stage markers' outputs."""
+    h = hashlib.sha256()
+    for dep, offset in DEPENDENCIES[stage]:
+        dep_it = it + offset
+        if dep_it < 0:
+            h.update(f"base:{base_model}".encode())
+            continue
+        m = read_marker(paths, dep_it, dep)
+        h.update(f"{dep}@{dep_it}:".encode())
+        h.update(json.dumps(m["outputs"] if m else None, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def marker_problem(paths: RunPaths, marker: dict | None, config_hash: str, inputs: str) -> str | None:
+    """Why a marker does not count as done (None when it does)."""
+    if marker is None:
+        return "no marker"
+    if marker.get("config_hash") != config_hash:
+        return "config changed"
+    if marker.get("inputs") != inputs:
+        return "inputs changed (an upstream stage was redone)"
+    prunable = tuple(marker.get("prunable", ()))
+    for rel, rec in marker.get("outputs", {}).items():
+        p = paths.root / rel
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            if rel.startswith(prunable) and prunable:
+                continue  # removed by retention (save.keep_*), which is expected
+            return f"output {rel} is missing"
+        if size != rec["size"]:
+            return f"output {rel} changed size ({rec['size']} -> {size} bytes)"
+    return None
+
+
+def clear_stage(paths: RunPaths, it: int, stage: str) -> None:
+    """Remove a stage's markers (stage-level first, so a crash midway never leaves it looking done)."""
+    d = paths.markers(it)
+    (d / marker_name(stage)).unlink(missing_ok=True)
+    for rank in rank_markers_present(paths, it, stage):
+        (d / marker_name(stage, rank)).unlink(missing_ok=True)
+
+
+def write_jsonl_atomic(path: Path, rows) -> int:
+    """Write rows as JSON lines under a temporary name, then rename; returns the row count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    n = 0
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                raise ValueError(f"{path}:{lineno}: last line is cut short (file truncated)")
+            rows.append(json.loads(line))
+    return rows

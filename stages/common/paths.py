@@ -1,0 +1,76 @@
+"""The run directory's layout: the only channel between stages, so every path is named here once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STAGES = ("generate", "score", "gather", "train", "save")
+# Stages that run one process per rank; the others run as a single task.
+MULTI_RANK_STAGES = ("generate", "score", "train")
+
+
+class RunPaths:
+    def __init__(self, run_dir: str | os.PathLike):
+        self.root = Path(run_dir).resolve()
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".coordinator.lock"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def base_model(self) -> Path:
+        return self.models / "base"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    def iteration(self, it: int) -> Path:
+        return self.root / f"iter_{it:05d}"
+
+    def stage_dir(self, it: int, stage: str) -> Path:
+        return self.iteration(it) / stage
+
+    def markers(self, it: int) -> Path:
+        return self.iteration(it) / "markers"
+
+    def shard(self, it: int, stage: str, rank: int) -> Path:
+        return self.stage_dir(it, stage) / f"rank_{rank:05d}.jsonl"
+
+    def model(self, it: int) -> Path:
+        return self.models / f"iter_{it:05d}"
+
+    def checkpoint_tag(self, it: int) -> str:
+        return f"iter_{it:05d}"
+
+    def logs(self, it: int, stage: str, attempt: int) -> Path:
+        return self.root / "logs" / f"iter_{it:05d}" / stage / f"attempt_{attempt}"
+
+    def rank_log(self, it: int, stage: str, attempt: int, rank: int) -> Path:
+        return self.logs(it, stage, attempt) / f"rank_{rank:05d}.log"
+
+    def attempts_so_far(self, it: int, stage: str) -> int:
+        """Highest attempt number with a log folder (0 if the stage never started)."""
+        base = self.root / "logs" / f"iter_{it:05d}" / stage
+        if not base.is_dir():
+            return 0
+        nums = [int(p.name.split("_")[1]) for p in base.iterdir() if p.name.startswith("attempt_")]
+        return max(nums, default=0)
+
+    def iterations_present(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(p.name[5:]) for p in self.root.iterdir() if p.name.startswith("iter_") and p.is_dir())

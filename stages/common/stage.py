@@ -1,0 +1,121 @@
+"""What every stage shares: argument parsing, skip-if-done, logging, markers and the exit path.
+
+`python -m stages.<name> --run-dir R --iteration I [key=value ...]` reads the run's frozen config
+(R/config.yaml), applies the overrides, and calls the stage's `main(ctx)`. A failure exits non-zero
+with a one-line reason on stderr after the full traceback has gone to the rank's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.common import markers
+from stages.common.config import ConfigError, RunConfig, config_hash, load_config
+from stages.common.dist import DistInfo, destroy_process_group, dist_info
+from stages.common.logs import setup_logging
+from stages.common.paths import RunPaths
+
+log = logging.getLogger("syncrl.stage")
+
+ATTEMPT_VAR = "SYNCRL_ATTEMPT"
+
+
+@dataclass
+class StageContext:
+    stage: str
+    iteration: int
+    cfg: RunConfig
+    paths: RunPaths
+    info: DistInfo
+    attempt: int
+    config_hash: str
+    inputs: str
+    start: float = field(default_factory=time.time)
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def out_dir(self) -> Path:
+        return self.paths.stage_dir(self.iteration, self.stage)
+
+    def policy_path(self) -> Path:
+        """The model this iteration starts from: the previous iteration's export, or the base model."""
+        if self.iteration > 0:
+            return self.paths.model(self.iteration - 1)
+        return Path(self.cfg.model.path) if self.cfg.model.path else self.paths.base_model
+
+    def tokenizer_path(self) -> Path:
+        if self.iteration == 0 and self.cfg.model.tokenizer:
+            return Path(self.cfg.model.tokenizer)
+        return self.policy_path()
+
+    def rank_done(self) -> bool:
+        m = markers.read_marker(self.paths, self.iteration, self.stage, self.rank)
+        return markers.marker_problem(self.paths, m, self.config_hash, self.inputs) is None
+
+    def write_marker(self, outputs: list[Path], extra: dict | None = None) -> dict:
+        """Per-rank marker: call after every output listed has been published."""
+        return markers.write_marker(
+            self.paths, self.iteration, self.stage, self.rank, attempt=self.attempt, start=self.start,
+            config_hash=self.config_hash, inputs=self.inputs,
+            outputs=markers.outputs_record(outputs, self.paths.root), extra=extra)
+
+
+def base_model_id(cfg: RunConfig) -> str:
+    return cfg.model.path or f"preset:{cfg.model.preset}"
+
+
+def make_context(stage: str, run_dir: str, iteration: int, overrides=()) -> StageContext:
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise ConfigError(f"{paths.config} not found: start the run with `syncrl run CONFIG run_dir={run_dir}`")
+    cfg = load_config(paths.config, overrides)
+    return StageContext(
+        stage=stage, iteration=iteration, cfg=cfg, paths=paths, info=dist_info(),
+        attempt=int(os.environ.get(ATTEMPT_VAR, "1")), config_hash=config_hash(cfg),
+        inputs=markers.input_fingerprint(paths, iteration, stage, base_model_id(cfg)))
+
+
+def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None) -> None:
+    """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns."""
+    parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=main.__doc__)
+    parser.add_argument("--run-dir", required=True, help="the run directory (holds config.yaml)")
+    parser.add_argument("--iteration", type=int, required=True, help="RL iteration number, from 0")
+    parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
+    args = parser.parse_args(argv)
+    code = 1
+    try:
+        ctx = make_context(stage, args.run_dir, args.iteration, args.overrides)
+        setup_logging(ctx.info.tag)
+        log.info("%s iteration %d attempt %d: host=%s pid=%d rank=%d/%d local_rank=%d node=%d",
+                 stage, ctx.iteration, ctx.attempt, ctx.info.host, os.getpid(), ctx.rank,
+                 ctx.world_size, ctx.info.local_rank, ctx.info.node_id)
+        if per_rank_skip and ctx.rank_done():
+            log.info("already done (marker matches config and inputs): skipping")
+        else:
+            main(ctx)
+            log.info("%s done in %.1fs", stage, time.time() - ctx.start)
+        code = 0
+    except ConfigError as e:
+        print(f"{stage}: {e}", file=sys.stderr)
+        code = 2
+    except Exception as e:
+        log.exception("%s failed", stage)
+        print(f"{stage}: rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

@@ -1,0 +1,99 @@
+"""gather: one task. Check every score shard, merge, compute group advantages, filter, write the train set.
+
+Writes iter_I/gather/train.jsonl and iter_I/gather/stats.json. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+from stages.common import markers
+from stages.common.advantages import build_train_set, group_rows, zero_variance
+from stages.common.markers import read_jsonl, write_json_atomic, write_jsonl_atomic
+from stages.common.stage import StageContext, run_stage
+
+log = logging.getLogger("syncrl.gather")
+
+# What train needs of each row; the rest (question text, answers) stays in the score shards.
+TRAIN_FIELDS = ("prompt_id", "sample_index", "rank", "prompt_ids", "completion_ids", "logprobs",
+                "advantage", "reward", "correct")
+
+
+class ShardError(RuntimeError):
+    pass
+
+
+def main(ctx: StageContext) -> None:
+    """Merge all ranks' scored shards into the train set and iteration stats."""
+    world = expected_world_size(ctx)
+    rows = []
+    for rank in range(world):
+        rows += read_shard(ctx, rank)
+    if not rows:
+        raise ShardError(f"iteration {ctx.iteration}: the score shards hold no completions")
+    g = ctx.cfg.gather
+    kept, counts = build_train_set(rows, g.advantage, g.normalize_std, g.drop_zero_variance, g.rejection_sampling)
+    stats = iteration_stats(rows, kept, counts)
+    out = ctx.out_dir / "train.jsonl"
+    write_jsonl_atomic(out, ({k: r[k] for k in TRAIN_FIELDS} for r in kept))
+    write_json_atomic(ctx.out_dir / "stats.json", stats)
+    log.info("iteration %d: %d completions from %d ranks, reward %.3f, accuracy %.3f, %d rows to train",
+             ctx.iteration, len(rows), world, stats["reward_mean"], stats["accuracy"], len(kept))
+    ctx.write_marker([out, ctx.out_dir / "stats.json"], extra={"rows": len(kept), "stats": stats})
+
+
+def expected_world_size(ctx: StageContext) -> int:
+    """Ranks the score stage ran with (its stage marker says), else the configured local rank count."""
+    m = markers.read_marker(ctx.paths, ctx.iteration, "score")
+    return int(m["world_size"]) if m and "world_size" in m else ctx.cfg.ranks
+
+
+def read_shard(ctx: StageContext, rank: int) -> list[dict]:
+    """One rank's score shard, checked against its marker (present, same size, same row count)."""
+    paths, it = ctx.paths, ctx.iteration
+    present = markers.rank_markers_present(paths, it, "score")
+    world = expected_world_size(ctx)
+    missing = sorted(set(range(world)) - present)
+    if missing:
+        raise ShardError(
+            f"iteration {it}: score shards of ranks {','.join(map(str, missing))} are missing or unfinished "
+            f"(expected {world} shards, found {len(present & set(range(world)))}). "
+            f"Rerun: syncrl rerun {paths.root} --iteration {it} --stage score")
+    shard = paths.shard(it, "score", rank)
+    marker = markers.read_marker(paths, it, "score", rank)
+    rel = str(shard.relative_to(paths.root))
+    recorded = (marker or {}).get("outputs", {}).get(rel)
+    if recorded is None or not shard.is_file() or shard.stat().st_size != recorded["size"]:
+        raise ShardError(
+            f"iteration {it}: shard {rel} does not match its marker (missing, truncated or altered). "
+            f"Rerun: syncrl rerun {paths.root} --iteration {it} --stage score")
+    rows = read_jsonl(shard)
+    if len(rows) != marker.get("rows", len(rows)):
+        raise ShardError(f"iteration {it}: shard {rel} has {len(rows)} rows, its marker says {marker['rows']}")
+    return rows
+
+
+def iteration_stats(rows: list[dict], kept: list[dict], counts: dict) -> dict:
+    rewards = [r["reward"] for r in rows]
+    lengths = [len(r["completion_ids"]) for r in rows]
+    groups = group_rows(rows)
+    return {
+        "completions": len(rows),
+        "groups": counts["groups"],
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "accuracy": statistics.fmean(float(r["correct"]) for r in rows),
+        "formatted": statistics.fmean(float(r.get("formatted", False)) for r in rows),
+        "zero_variance_groups": sum(zero_variance([r["reward"] for r in g]) for g in groups.values()) / len(groups),
+        "length_mean": statistics.fmean(lengths),
+        "length_max": max(lengths),
+        "truncated": statistics.fmean(float(r.get("truncated", False)) for r in rows),
+        "train_rows": len(kept),
+        "dropped_zero_variance": counts["dropped_zero_variance"],
+        "dropped_rejection": counts["dropped_rejection"],
+    }
+
+
+if __name__ == "__main__":
+    run_stage("gather", main)

@@ -1,0 +1,110 @@
+"""generate: sample `attempts` completions per prompt of this rank's shard with the current policy.
+
+Writes iter_I/generate/rank_K.jsonl: one row per completion with prompt and completion token ids,
+text, and per-token log-probabilities of the sampled tokens under the policy at the sampling
+temperature (the "old" log-probs of the PPO ratio). With top_p < 1 the sampler draws from a
+truncated distribution; the recorded log-probs are still the policy's, which is what train recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from stages.common.data import iteration_prompts, load_problems, shard
+from stages.common.markers import write_jsonl_atomic
+from stages.common.modeling import device_for, load_policy, load_tokenizer, set_cpu_threads, token_logprobs
+from stages.common.stage import StageContext, run_stage
+
+log = logging.getLogger("syncrl.generate")
+
+
+def main(ctx: StageContext) -> None:
+    """Sample completions for this rank's shard of the iteration's prompts."""
+    cfg = ctx.cfg
+    set_cpu_threads()
+    device = device_for(ctx.info.local_rank)
+    t0 = time.time()
+    tokenizer = load_tokenizer(ctx.tokenizer_path())
+    model = load_policy(ctx.policy_path(), cfg.model.dtype, device).eval()
+    load_s = time.time() - t0
+    log.info("loaded %s on %s in %.1fs", ctx.policy_path(), device, load_s)
+
+    problems = load_problems(cfg.data, cfg.seed)
+    items = shard(iteration_prompts(cfg.data, problems, cfg.seed, ctx.iteration), ctx.rank, ctx.world_size)
+    torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
+
+    g = cfg.generate
+    per_call = max(1, g.batch_size // g.attempts)
+    rows, new_tokens = [], 0
+    t1 = time.time()
+    bar = tqdm(total=len(items), desc=f"generate it{ctx.iteration}", disable=ctx.rank != 0, mininterval=5)
+    for start in range(0, len(items), per_call):
+        batch = items[start:start + per_call]
+        batch_rows = sample_batch(model, tokenizer, batch, g, device)
+        new_tokens += sum(len(r["completion_ids"]) for r in batch_rows)
+        rows += batch_rows
+        bar.update(len(batch))
+    bar.close()
+    gen_s = time.time() - t1
+    for r in rows:
+        r["rank"] = ctx.rank
+    out = ctx.paths.shard(ctx.iteration, "generate", ctx.rank)
+    n = write_jsonl_atomic(out, rows)
+    tps = new_tokens / gen_s if gen_s > 0 else 0.0
+    log.info("wrote %d completions for %d prompts (%d new tokens, %.0f tok/s) to %s",
+             n, len(items), new_tokens, tps, out)
+    ctx.write_marker([out], extra={"rows": n, "new_tokens": new_tokens, "tokens_per_s": tps,
+                                   "load_s": load_s, "generate_s": gen_s})
+
+
+def sample_seed(seed: int, iteration: int, rank: int) -> int:
+    """Distinct, reproducible sampling seed per (run seed, iteration, rank)."""
+    digest = hashlib.sha256(f"{seed}:{iteration}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+@torch.no_grad()
+def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
+    # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
+    enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True,
+                    padding_side="left", add_special_tokens=False).to(device)
+    out = model.generate(
+        **enc, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
+        max_new_tokens=g.max_new_tokens, num_return_sequences=g.attempts,
+        return_dict_in_generate=True, output_logits=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    prompt_len = enc["input_ids"].shape[1]
+    completions = out.sequences[:, prompt_len:]
+    logits = torch.stack(out.logits, dim=1)  # [B*attempts, T, V], raw (before temperature)
+    logprobs = token_logprobs(logits, completions, g.temperature)
+    rows = []
+    for j in range(completions.shape[0]):
+        item = items[j // g.attempts]
+        ids = completions[j].tolist()
+        # Keep the end-of-sequence token: the policy must learn to stop, so train scores it too.
+        n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+        prompt_ids = enc["input_ids"][j // g.attempts][enc["attention_mask"][j // g.attempts].bool()].tolist()
+        rows.append({
+            "prompt_id": item["prompt_id"],
+            "problem_index": item["problem_index"],
+            "sample_index": j % g.attempts,
+            "question": item["question"],
+            "answer": item["answer"],
+            "prompt": item["prompt"],
+            "prompt_ids": prompt_ids,
+            "completion_ids": ids[:n],
+            "completion": tokenizer.decode(ids[:n], skip_special_tokens=True),
+            "logprobs": [round(x, 6) for x in logprobs[j, :n].tolist()],
+            "truncated": tokenizer.eos_token_id not in ids[:n],
+        })
+    return rows
+
+
+if __name__ == "__main__":
+    run_stage("generate", main)

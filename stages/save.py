@@ -1,0 +1,106 @@
+"""save: consolidate this iteration's DeepSpeed checkpoint on CPU into an HF model under models/iter_I.
+
+No process group: one task reads the ZeRO shards from disk. The export is verified to load, then
+published by atomic rename, so generate never sees a half-written model. Old checkpoints are pruned
+per save.keep_checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from stages.common import markers
+from stages.common.modeling import load_policy, load_tokenizer
+from stages.common.stage import StageContext, run_stage
+
+log = logging.getLogger("syncrl.save")
+
+
+def main(ctx: StageContext) -> None:
+    """Export the trained policy as an HF model and prune old checkpoints."""
+    paths, it = ctx.paths, ctx.iteration
+    tag = paths.checkpoint_tag(it)
+    ckpt = paths.checkpoints / tag
+    if markers.read_marker(paths, it, "train") is None or not ckpt.is_dir():
+        raise FileNotFoundError(f"checkpoint {ckpt} or the train marker of iteration {it} is missing; rerun: "
+                                f"syncrl rerun {paths.root} --iteration {it} --stage train")
+    t0 = time.time()
+    state = consolidate(paths.checkpoints, tag)
+    consolidate_s = time.time() - t0
+    target = paths.model(it)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
+    t1 = time.time()
+    model = load_policy(ctx.policy_path(), "float32")
+    export(model, state, tmp, ctx)
+    export_s = time.time() - t1
+    verify(tmp, state)
+    publish(tmp, target)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    log.info("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,
+             consolidate_s, export_s, size / 1e9 / max(export_s, 1e-9))
+    pruned = prune(ctx)
+    ctx.write_marker([target], extra={"bytes": size, "consolidate_s": consolidate_s, "export_s": export_s,
+                                       "pruned": pruned, "prunable": [f"models/{target.name}/"]})
+
+
+def consolidate(checkpoint_dir: Path, tag: str) -> dict:
+    """fp32 weights gathered from every rank's ZeRO shard files, on CPU."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+
+
+def export(model, state: dict, out: Path, ctx: StageContext) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(ctx.tokenizer_path()).save_pretrained(out)
+
+
+def verify(out: Path, state: dict) -> None:
+    """Reload the export and compare every tensor with the consolidated weights."""
+    reloaded = load_policy(out, "float32").state_dict()
+    for name, tensor in state.items():
+        if name in reloaded and not torch.equal(reloaded[name], tensor.float()):
+            raise RuntimeError(f"exported model at {out} differs from the checkpoint at {name}")
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Atomic rename; an older export of the same iteration (a rerun) is moved aside first."""
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(ctx: StageContext) -> list[str]:
+    """Remove checkpoints and models beyond the retention counts; never anything newer than this iteration."""
+    paths, it, s = ctx.paths, ctx.iteration, ctx.cfg.save
+    removed = []
+    tags = sorted(p for p in paths.checkpoints.glob("iter_*") if p.is_dir() and int(p.name[5:]) <= it)
+    for p in tags[:-s.keep_checkpoints]:
+        shutil.rmtree(p)
+        removed.append(str(p.relative_to(paths.root)))
+    if s.keep_models:
+        models = sorted(p for p in paths.models.glob("iter_*") if p.is_dir() and int(p.name[5:]) <= it)
+        for p in models[:-s.keep_models]:
+            shutil.rmtree(p)
+            removed.append(str(p.relative_to(paths.root)))
+    if removed:
+        log.info("pruned %s", ", ".join(removed))
+    return removed
+
+
+if __name__ == "__main__":
+    run_stage("save", main)

@@ -1,0 +1,49 @@
+"""score: GSM8K-style correctness reward plus format terms for this rank's generate shard.
+
+Reads iter_I/generate/rank_K.jsonl, writes iter_I/score/rank_K.jsonl (the same rows plus reward
+fields). CPU only; never imports torch, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from stages.common.answer import extract_answer, is_correct, normalize_number
+from stages.common.config import ScoreConfig
+from stages.common.markers import read_jsonl, write_jsonl_atomic
+from stages.common.stage import StageContext, run_stage
+
+__all__ = ["extract_answer", "is_correct", "normalize_number", "reward_fields", "main"]
+
+log = logging.getLogger("syncrl.score")
+
+
+def main(ctx: StageContext) -> None:
+    """Score this rank's completions."""
+    src = ctx.paths.shard(ctx.iteration, "generate", ctx.rank)
+    if not src.is_file():
+        raise FileNotFoundError(
+            f"generate shard {src.relative_to(ctx.paths.root)} missing; rerun: "
+            f"syncrl rerun {ctx.paths.root} --iteration {ctx.iteration} --stage generate")
+    rows = read_jsonl(src)
+    for row in rows:
+        row.update(reward_fields(row["completion"], row["answer"], row.get("truncated", False), ctx.cfg.score))
+    out = ctx.paths.shard(ctx.iteration, "score", ctx.rank)
+    n = write_jsonl_atomic(out, rows)
+    correct = sum(r["correct"] for r in rows)
+    log.info("scored %d completions: %d correct, mean reward %.3f", n, correct,
+             sum(r["reward"] for r in rows) / max(n, 1))
+    ctx.write_marker([out], extra={"rows": n, "correct": correct})
+
+
+def reward_fields(completion: str, reference: str, truncated: bool, cfg: ScoreConfig) -> dict:
+    pred = extract_answer(completion)
+    correct = pred is not None and is_correct(completion, reference)
+    has_marker = "####" in completion and pred is not None
+    reward = (cfg.correct_reward * correct + cfg.format_reward * (pred is not None)
+              + cfg.marker_reward * has_marker - cfg.truncation_penalty * bool(truncated))
+    return {"pred": pred, "correct": bool(correct), "formatted": pred is not None, "reward": float(reward)}
+
+
+if __name__ == "__main__":
+    run_stage("score", main)

@@ -1,0 +1,232 @@
+"""train: one DeepSpeed process per rank over all nodes; PPO-clip on the gathered train set.
+
+Starts from the previous iteration's model and resumes optimizer state from its DeepSpeed
+checkpoint; writes checkpoints/iter_I. The process group lives for this step only: generation and
+scoring never hold an idle communicator that could time out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from stages.common import dist, markers
+from stages.common.loss import ppo_clip_loss
+from stages.common.markers import read_jsonl, write_jsonl_atomic
+from stages.common.modeling import device_for, load_policy, set_cpu_threads, token_logprobs
+from stages.common.stage import StageContext, run_stage
+
+log = logging.getLogger("syncrl.train")
+
+# DeepSpeed keys that syncrl derives from the run config, so batch sizes are stated once.
+DERIVED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                   "gradient_clipping")
+
+
+def main(ctx: StageContext) -> None:
+    """PPO-clip update of the policy over this iteration's train set."""
+    import deepspeed
+
+    cfg, t = ctx.cfg, ctx.cfg.train
+    set_cpu_threads()
+    rows = read_train_set(ctx)
+    device = device_for(ctx.info.local_rank)
+    dist.export_torch_env(ctx.info)
+    t0 = time.time()
+    dist.init_process_group(ctx.info, dist.pick_backend(t.backend), t.timeout_s)
+    ds_config = deepspeed_config(ctx)
+    keep_alive = _zero3_init_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
+    model = load_policy(ctx.policy_path(), cfg.model.dtype)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      model_parameters=None if optimizer else model.parameters())
+    resume_optimizer(ctx, engine)
+    ref = None
+    if t.kl_coef > 0:
+        base = Path(cfg.model.path) if cfg.model.path else ctx.paths.base_model
+        ref = load_policy(base, cfg.model.dtype, device).eval().requires_grad_(False)
+    startup_s = time.time() - t0
+    log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
+             startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
+
+    t1 = time.time()
+    history, tokens = run_updates(ctx, engine, ref, rows, device)
+    train_s = time.time() - t1
+    tag = ctx.paths.checkpoint_tag(ctx.iteration)
+    t2 = time.time()
+    engine.save_checkpoint(str(ctx.paths.checkpoints), tag=tag, client_state={"iteration": ctx.iteration})
+    save_s = time.time() - t2
+    outputs = []
+    if ctx.rank == 0:
+        curve = ctx.out_dir / "metrics.jsonl"
+        write_jsonl_atomic(curve, history)
+        outputs = [ctx.paths.checkpoints / tag, curve]
+    all_tokens = _all_reduce_sum(tokens, device)
+    summary = {
+        "steps": len(history), "tokens": all_tokens, "startup_s": startup_s, "train_s": train_s,
+        "checkpoint_s": save_s, "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
+        "loss_mean": sum(h["loss"] for h in history) / max(len(history), 1),
+    }
+    log.info("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
+             summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
+    torch.distributed.barrier()  # the checkpoint is whole on every rank before anyone marks done
+    ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
+
+
+def read_train_set(ctx: StageContext) -> list[dict]:
+    m = markers.read_marker(ctx.paths, ctx.iteration, "gather")
+    src = ctx.paths.stage_dir(ctx.iteration, "gather") / "train.jsonl"
+    if m is None or not src.is_file():
+        raise FileNotFoundError(f"{src.relative_to(ctx.paths.root)} or its gather marker is missing; rerun: "
+                                f"syncrl rerun {ctx.paths.root} --iteration {ctx.iteration} --stage gather")
+    return read_jsonl(src)
+
+
+def deepspeed_config(ctx: StageContext) -> dict:
+    t = ctx.cfg.train
+    ds = json.loads(Path(t.deepspeed_config).read_text())
+    derived = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * ctx.world_size,
+        "gradient_clipping": t.max_grad_norm,
+    }
+    for key, value in derived.items():
+        if key in ds and ds[key] not in ("auto", value):
+            log.warning("%s: %s=%s replaced by %s from the run config", t.deepspeed_config, key, ds[key], value)
+        ds[key] = value
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        params["lr"] = t.lr
+        params["weight_decay"] = t.weight_decay
+    return ds
+
+
+def _zero3_init_context(ds_config: dict):
+    """Under ZeRO-3, from_pretrained must see the DeepSpeed config to load weights already sharded."""
+    if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def resume_optimizer(ctx: StageContext, engine) -> None:
+    if ctx.iteration == 0:
+        return
+    tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
+    if not (ctx.paths.checkpoints / tag).is_dir():
+        log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
+                    ctx.paths.checkpoints / tag, ctx.policy_path())
+        return
+    path, _ = engine.load_checkpoint(str(ctx.paths.checkpoints), tag=tag, load_optimizer_states=True,
+                                     load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {ctx.paths.checkpoints / tag}")
+    log.info("resumed weights and optimizer state from %s", path)
+
+
+def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device) -> tuple[list[dict], int]:
+    """All epochs of micro-batches; returns (per-optimizer-step history, tokens this rank trained on)."""
+    t = ctx.cfg.train
+    temperature = ctx.cfg.generate.temperature
+    history, tokens, step_metrics = [], 0, []
+    batches = rank_micro_batches(rows, ctx, t.micro_batch_size * t.gradient_accumulation_steps * ctx.world_size)
+    engine.train()
+    bar = tqdm(total=len(batches), desc=f"train it{ctx.iteration}", disable=ctx.rank != 0, mininterval=5)
+    for micro in batches:
+        batch = collate(micro, device)
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
+        ref_logp = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                ref_logp = token_logprobs(ref_logits[:, :-1], batch["input_ids"][:, 1:], temperature)
+        loss, metrics = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"],
+                                      t.clip_eps, ref_logp, t.kl_coef)
+        engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        tokens += int(metrics["tokens"])
+        step_metrics.append({"loss": loss.item(), **metrics})
+        if boundary:
+            history.append(_step_record(engine, step_metrics))
+            step_metrics = []
+        bar.update(1)
+    bar.close()
+    return history, tokens
+
+
+def rank_micro_batches(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[dict | None]]:
+    """This rank's micro-batches, the same count on every rank (a rank that ran out would hang the others).
+
+    Rows are shuffled per epoch (seeded), padded with None up to whole global batches, and dealt
+    round-robin; None rows carry no tokens and no loss.
+    """
+    t = ctx.cfg.train
+    out = []
+    for epoch in range(t.epochs):
+        order = list(rows)
+        random.Random(f"{ctx.cfg.seed}:{ctx.iteration}:{epoch}").shuffle(order)
+        padded = order + [None] * (-len(order) % global_batch)
+        mine = padded[ctx.rank::ctx.world_size]
+        out += [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
+    return out
+
+
+def collate(micro: list[dict | None], device) -> dict:
+    """Right-padded prompt+completion ids, with a mask over the completion tokens (shifted by one)."""
+    real = [r for r in micro if r is not None] or [None]
+    seqs = [(r["prompt_ids"] + r["completion_ids"]) if r else [0, 0] for r in real]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(real), width, dtype=torch.long)
+    attn = torch.zeros(len(real), width, dtype=torch.long)
+    mask = torch.zeros(len(real), width - 1)
+    old = torch.zeros(len(real), width - 1)
+    adv = torch.zeros(len(real))
+    for i, (r, s) in enumerate(zip(real, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attn[i, :len(s)] = 1
+        if r is None:
+            continue
+        p, c = len(r["prompt_ids"]), len(r["completion_ids"])
+        # Position j of the shifted targets predicts token j + 1: completion tokens are p .. p + c - 1.
+        mask[i, p - 1:p - 1 + c] = 1
+        old[i, p - 1:p - 1 + c] = torch.tensor(r["logprobs"])
+        adv[i] = r["advantage"]
+    return {k: v.to(device) for k, v in
+            dict(input_ids=ids, attention_mask=attn, mask=mask, old_logp=old, advantages=adv).items()}
+
+
+def _step_record(engine, step_metrics: list[dict]) -> dict:
+    n = len(step_metrics)
+    rec = {k: sum(m.get(k, 0.0) for m in step_metrics) / n for k in step_metrics[0] if k != "tokens"}
+    rec["tokens"] = sum(m["tokens"] for m in step_metrics)
+    rec["step"] = engine.global_steps
+    grad_norm = engine.get_global_grad_norm()
+    rec["grad_norm"] = float(grad_norm) if grad_norm is not None else None
+    rec["lr"] = engine.get_lr()[0] if engine.get_lr() else None
+    return rec
+
+
+def _all_reduce_sum(value: int, device) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return int(t.item())
+
+
+if __name__ == "__main__":
+    # Every rank redoes train together: a half-finished process group cannot be resumed rank by rank.
+    run_stage("train", main, per_rank_skip=False)
