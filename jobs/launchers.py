@@ -72,7 +72,8 @@ class LocalLauncher:
                 env[ATTEMPT_VAR] = str(attempt)
                 with open(paths.rank_log(iteration, stage, attempt, rank), "ab") as out:
                     procs[rank] = subprocess.Popen(stage_command(paths, iteration, stage), stdout=out,
-                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                                   preexec_fn=_die_with_parent)
             codes, timed_out = wait_all(procs, timeout_s)
         finally:
             for p in procs.values():
@@ -114,6 +115,18 @@ def _kill(p: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the coordinator is killed (even with -9), its ranks get SIGTERM.
+
+    Orphaned ranks would otherwise run on beside the stage's relaunch and write into the same files.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:

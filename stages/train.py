@@ -7,6 +7,7 @@ scoring never hold an idle communicator that could time out.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import random
@@ -39,8 +40,16 @@ def main(ctx: StageContext) -> None:
     device = device_for(ctx.info.local_rank)
     dist.export_torch_env(ctx.info)
     t0 = time.time()
-    dist.init_process_group(ctx.info, dist.pick_backend(t.backend), t.timeout_s)
+    backend = dist.pick_backend(t.backend)
+    dist.init_process_group(ctx.info, backend, t.timeout_s)
+    _skip_cpu_inference_op(deepspeed)
+    # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=t.timeout_s))
     ds_config = deepspeed_config(ctx)
+    # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
+    # partition it too (it runs outside the engine, so it must keep whole weights).
+    ref = load_reference(ctx, device) if t.kl_coef > 0 else None
     keep_alive = _zero3_init_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
     model = load_policy(ctx.policy_path(), cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
@@ -51,10 +60,6 @@ def main(ctx: StageContext) -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
     resume_optimizer(ctx, engine)
-    ref = None
-    if t.kl_coef > 0:
-        base = Path(cfg.model.path) if cfg.model.path else ctx.paths.base_model
-        ref = load_policy(base, cfg.model.dtype, device).eval().requires_grad_(False)
     startup_s = time.time() - t0
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
@@ -81,6 +86,11 @@ def main(ctx: StageContext) -> None:
              summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
     torch.distributed.barrier()  # the checkpoint is whole on every rank before anyone marks done
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
+
+
+def load_reference(ctx: StageContext, device):
+    base = Path(ctx.cfg.model.path) if ctx.cfg.model.path else ctx.paths.base_model
+    return load_policy(base, ctx.cfg.model.dtype, device).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:
@@ -110,6 +120,16 @@ def deepspeed_config(ctx: StageContext) -> dict:
         params["lr"] = t.lr
         params["weight_decay"] = t.weight_decay
     return ds
+
+
+def _skip_cpu_inference_op(deepspeed) -> None:
+    """On CPU, keep DeepSpeed from JIT-building its shared-memory all-reduce op.
+
+    That op serves only inference_all_reduce, which training never calls; building it costs a
+    minute of compiling on first use, and a rank killed mid-build leaves a lock that hangs later runs.
+    """
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _zero3_init_context(ds_config: dict):

@@ -1,0 +1,71 @@
+import pytest
+
+from stages.common.config import ConfigError, config_diff, config_hash, load_config, to_dict
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_file_and_overrides(tmp_path):
+    p = write(tmp_path, "iterations: 3\ntrain:\n  lr: 1.0e-4\n")
+    cfg = load_config(p, ["run_dir=/x/y", "iterations=2", "train.micro_batch_size=4", "generate.top_p=0.9",
+                          "gather.drop_zero_variance=true", "train.lr=1e-5"])
+    assert cfg.iterations == 2 and cfg.run_dir == "/x/y"
+    assert cfg.train.micro_batch_size == 4 and cfg.train.lr == 1e-5
+    assert cfg.generate.top_p == 0.9 and cfg.gather.drop_zero_variance is True
+    assert cfg.model.preset == "tiny-llama"  # untouched default
+
+
+def test_shipped_local_tiny_config_loads():
+    cfg = load_config("configs/local_tiny.yaml", ["iterations=2"])
+    assert cfg.ranks == 2 and cfg.iterations == 2
+
+
+@pytest.mark.parametrize("text,override,needle", [
+    ("iteratons: 2\n", (), "unknown key 'iteratons'"),
+    ("train:\n  lrate: 1\n", (), "unknown key 'train.lrate'"),
+    ("iterations: two\n", (), "'iterations' must be an integer"),
+    ("iterations: 0\n", (), "iterations must be > 0"),
+    ("generate:\n  top_p: 1.5\n", (), "generate.top_p must be in (0, 1]"),
+    ("gather:\n  advantage: ppo\n", (), "gather.advantage must be one of grpo, rloo, none"),
+    ("train: 3\n", (), "'train' is a section"),
+    ("gather:\n  normalize_std: maybe\n", (), "must be true or false"),
+    ("iterations: [1, 2\n", (), "YAML syntax error at line"),
+    ("- a\n- b\n", (), "top level must be a mapping"),
+    ("", ("iterations",), "has no '='"),
+    ("", ("=3",), "empty key"),
+    ("", ("train.nope=1",), "unknown key 'train.nope'"),
+    ("", ("train.lr=fast",), "'train.lr' must be a number"),
+    ("", ("train.lr=.inf",), "finite number"),
+    ("", ("iterations.x=1",), "'iterations' must be an integer"),
+    ("iterations: 2\n", ("iterations.x=1",), "'iterations' is a value"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, text, override, needle):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, override)
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError, match="valid keys: .*micro_batch_size"):
+        load_config(write(tmp_path, "train:\n  micro_batch: 2\n"))
+
+
+def test_missing_file_is_named():
+    with pytest.raises(ConfigError, match="nope.yaml not found"):
+        load_config("nope.yaml")
+
+
+def test_hash_ignores_how_not_what():
+    a = load_config(None, ["run_dir=/a", "iterations=1"])
+    b = load_config(None, ["run_dir=/b", "iterations=5", "retry.attempts=4"])
+    c = load_config(None, ["train.lr=0.5"])
+    assert config_hash(a) == config_hash(b)
+    assert config_hash(a) != config_hash(c)
+    assert config_diff(to_dict(a), to_dict(c)) == ["train.lr: 0.001 -> 0.5"]

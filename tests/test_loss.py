@@ -1,0 +1,53 @@
+import math
+
+import pytest
+import torch
+
+from stages.common.loss import ppo_clip_loss
+from stages.common.modeling import token_logprobs
+
+
+def test_ppo_clip_hand_computed():
+    # Two sequences, two tokens each, the second sequence's last token masked out.
+    old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.75, 0.5], [0.25, 0.9]]))  # ratios 1.5, 1.0 | 0.5, (masked)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, m = ppo_clip_loss(new, old, adv, mask, clip_eps=0.2)
+    # token 1: A=1, r=1.5 -> max(-1.5, -1.2) = -1.2 (clipped)
+    # token 2: A=1, r=1.0 -> -1.0
+    # token 3: A=-2, r=0.5 -> max(1.0, 1.6) = 1.6 (clipped at 0.8)
+    expected = (-1.2 - 1.0 + 1.6) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["clip_frac"] == pytest.approx(2 / 3)
+    assert m["tokens"] == 3
+
+
+def test_on_policy_gradient_is_advantage_weighted():
+    logp = torch.log(torch.tensor([[0.2, 0.4]])).requires_grad_(True)
+    loss, _ = ppo_clip_loss(logp, logp.detach(), torch.tensor([0.5]), torch.ones(1, 2), clip_eps=0.2)
+    loss.backward()
+    # d/dlogp of -A * exp(logp - old) at ratio 1 is -A, averaged over 2 tokens
+    assert logp.grad[0].tolist() == pytest.approx([-0.25, -0.25])
+
+
+def test_kl_term_k3():
+    logp = torch.log(torch.tensor([[0.5]]))
+    ref = torch.log(torch.tensor([[0.25]]))
+    loss, m = ppo_clip_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 1), 0.2, ref_logp=ref, kl_coef=0.1)
+    k3 = 0.5 - math.log(0.5) - 1  # exp(ref - logp) - (ref - logp) - 1
+    assert m["kl"] == pytest.approx(k3, rel=1e-6)
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6)
+
+
+def test_empty_batch_is_zero_and_backpropagates():
+    logp = torch.zeros(1, 3, requires_grad=True)
+    loss, _ = ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), torch.zeros(1, 3), 0.2)
+    loss.backward()
+    assert loss.item() == 0.0 and logp.grad is not None
+
+
+def test_token_logprobs_temperature():
+    logits = torch.tensor([[[2.0, 0.0]]])
+    lp = token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)
+    assert lp.item() == pytest.approx(math.log(math.e / (math.e + 1)))
