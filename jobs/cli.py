@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("run", help="run (or resume) the RL job locally or inside an allocation")
     p.add_argument("config", help="YAML run config, e.g. configs/local_tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run_dir=runs/a iterations=2")
+    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto",
+                   help="auto: srun steps inside a SLURM allocation, local processes elsewhere")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("status", help="iterations x stages table of a run directory")
@@ -47,13 +49,16 @@ def main(argv=None) -> int:
 
 def cmd_run(args) -> int:
     from jobs.coordinator import Coordinator, StageFailed, prepare_run, setup_coordinator_logging
-    from jobs.launchers import LocalLauncher
+    from jobs.launchers import make_launcher
 
     setup_coordinator_logging()
     cfg = load_config(args.config, args.overrides)
     prepare_run(cfg)
+    launcher = make_launcher(args.launcher, cfg)
+    log.info("launcher %s: %d task(s) per multi-rank stage on %s", launcher.name, launcher.ntasks("train"),
+             ",".join(launcher.nodes()))
     try:
-        Coordinator(cfg, LocalLauncher(cfg.ranks)).run()
+        Coordinator(cfg, launcher).run()
     except StageFailed as e:
         log.error("stopped: %s\nFix the cause, then rerun the same command: completed stages are kept.", e)
         return 1

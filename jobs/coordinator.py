@@ -145,23 +145,28 @@ class Coordinator:
 
     def _check_attempt(self, it: int, stage: str, attempt: int, inputs: str, result) -> None:
         n = self.launcher.ntasks(stage)
-        bad = set(result.failed_ranks)
-        if not bad:
-            bad = self._ranks_without_marker(it, stage, n, inputs)
-        if not bad and not result.timed_out:
+        # Markers of a successful step may lag on a shared filesystem: wait for them only then.
+        missing = self._ranks_without_marker(it, stage, n, inputs, wait=result.ok)
+        if result.ok and not missing:
             return
-        self._write_state(it, stage, "failed", attempt, sorted(bad), result.hosts)
-        why = "timed out" if result.timed_out else f"failed on rank(s) {','.join(map(str, sorted(bad)))}"
+        bad = sorted(set(result.failed_ranks) or missing)
+        self._write_state(it, stage, "failed", attempt, bad, result.hosts)
+        if result.timed_out:
+            why = f"timed out after {self.cfg.retry.stage_timeout_s}s"
+        elif bad:
+            why = f"failed on rank(s) {','.join(map(str, bad))}"
+        else:
+            why = f"failed (exit codes {sorted(set(result.returncodes.values()))})"
         raise StageFailed(f"iteration {it} {stage} attempt {attempt} {why}\n" +
-                          self._log_tails(it, stage, attempt, sorted(bad) or list(range(n)), result))
+                          self._log_tails(it, stage, attempt, bad or list(range(n)), result))
 
-    def _ranks_without_marker(self, it: int, stage: str, n: int, inputs: str) -> set[int]:
+    def _ranks_without_marker(self, it: int, stage: str, n: int, inputs: str, wait: bool) -> set[int]:
         """Ranks that exited 0 but left no valid marker; a missing one is awaited briefly (filesystem lag)."""
         def missing():
             return {r for r in range(n) if markers.marker_problem(
                 self.paths, markers.read_marker(self.paths, it, stage, r), self.chash, inputs) is not None}
 
-        return policies.until_empty(self.cfg.retry.marker_wait_s)(missing)
+        return policies.until_empty(self.cfg.retry.marker_wait_s)(missing) if wait else missing()
 
     def _write_stage_marker(self, it: int, stage: str, inputs: str, start: float, attempt: int) -> None:
         n = self.launcher.ntasks(stage)

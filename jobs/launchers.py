@@ -6,6 +6,8 @@ LocalLauncher runs the stage modules as local processes with the environment con
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import logging
 import os
 import signal
@@ -32,9 +34,18 @@ class LaunchResult:
     elapsed_s: float
     timed_out: bool = False
     hosts: dict[int, str] = field(default_factory=dict)
+    # False when the launcher knows only one code for the whole step (srun): failed ranks are then
+    # the ranks that left no marker.
+    per_rank_codes: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(c == 0 for c in self.returncodes.values())
 
     @property
     def failed_ranks(self) -> list[int]:
+        if not self.per_rank_codes:
+            return []
         return sorted(r for r, c in self.returncodes.items() if c != 0)
 
 
@@ -133,3 +144,97 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class SrunLauncher:
+    """Runs each stage as one `srun` job step inside the current allocation.
+
+    Multi-rank stages get `slurm.tasks_per_node` tasks on each node; gather and save one task.
+    MASTER_ADDR is the first host of the step's nodes; MASTER_PORT is derived from the job id,
+    iteration and attempt, so a retried train step never meets the previous attempt's rendezvous.
+    """
+
+    name = "srun"
+
+    def __init__(self, slurm_cfg, env: dict | None = None):
+        from stages.common.dist import slurm_job_id
+
+        env = os.environ if env is None else env
+        self.cfg = slurm_cfg
+        self.job_id = slurm_job_id(env)
+        if self.job_id is None:
+            raise RuntimeError("SrunLauncher needs a SLURM allocation (SLURM_JOB_ID is not set): "
+                               "run inside sbatch/salloc, or use `syncrl submit`")
+        self.hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+        self.num_nodes = min(self.cfg.nodes or len(self.hosts), len(self.hosts))
+
+    def ntasks(self, stage: str) -> int:
+        return self.num_nodes * self.cfg.tasks_per_node if stage in MULTI_RANK_STAGES else 1
+
+    def nodes(self) -> list[str]:
+        return self.hosts[:self.num_nodes]
+
+    def command(self, paths: RunPaths, iteration: int, stage: str, attempt: int) -> tuple[list[str], dict]:
+        multi = stage in MULTI_RANK_STAGES
+        nodes = self.num_nodes if multi else 1
+        log_pattern = paths.logs(iteration, stage, attempt) / "rank_%5t.log"
+        cmd = ["srun", f"--nodes={nodes}", f"--ntasks={self.ntasks(stage)}",
+               f"--ntasks-per-node={self.cfg.tasks_per_node if multi else 1}",
+               f"--nodelist={','.join(self.hosts[:nodes])}", "--kill-on-bad-exit=1",
+               f"--job-name=syncrl-{stage}-{iteration:05d}", f"--output={log_pattern}", f"--error={log_pattern}",
+               "--open-mode=append"]
+        if multi and self.cfg.gpus_per_task:
+            cmd.append(f"--gpus-per-task={self.cfg.gpus_per_task}")
+        if self.cfg.cpus_per_task:
+            cmd.append(f"--cpus-per-task={self.cfg.cpus_per_task}")
+        cmd += self.cfg.srun_args.split()
+        cmd += stage_command(paths, iteration, stage)
+        env = dict(os.environ, MASTER_ADDR=self.hosts[0], PYTHONUNBUFFERED="1",
+                   MASTER_PORT=str(derived_port(self.job_id, iteration, attempt, stage)))
+        env[ATTEMPT_VAR] = str(attempt)
+        # srun inherits the batch step's SLURM_* layout variables; drop torchrun names that a parent
+        # process may have set so the step's own SLURM_PROCID etc. decide each rank.
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            env.pop(key, None)
+        return cmd, env
+
+    def launch(self, paths: RunPaths, iteration: int, stage: str, attempt: int, timeout_s: float = 0) -> LaunchResult:
+        paths.logs(iteration, stage, attempt).mkdir(parents=True, exist_ok=True)  # srun will not create it
+        cmd, env = self.command(paths, iteration, stage, attempt)
+        log.debug("launching: %s", " ".join(cmd))
+        start = time.time()
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            code, timed_out = proc.wait(timeout_s or None), False
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            code, timed_out = proc.wait(), True
+        finally:
+            if proc.poll() is None:
+                _kill(proc)  # srun forwards the signal and ends the step on every node
+        n = self.ntasks(stage)
+        # srun reports one exit code for the step; the coordinator names failed ranks from their markers.
+        return LaunchResult({r: code for r in range(n)}, time.time() - start, timed_out,
+                            per_rank_codes=False)
+
+
+def derived_port(job_id: str, iteration: int, attempt: int, stage: str) -> int:
+    """A port in 20000-59999 that differs between jobs, iterations, attempts and stages."""
+    key = f"{job_id}:{iteration}:{attempt}:{stage}".encode()
+    return 20000 + int.from_bytes(hashlib.sha256(key).digest()[:4], "little") % 40000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """`n[1-3],gpu07` -> [n1, n2, n3, gpu07] via scontrol, which knows every SLURM nodelist form."""
+    if not nodelist:
+        return [socket.gethostname()]
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    return out.split()
+
+
+def make_launcher(kind: str, cfg):
+    """`auto` uses srun inside a SLURM allocation (SLURM_JOB_ID set and srun on PATH), else local processes."""
+    if kind == "auto":
+        kind = "srun" if os.environ.get("SLURM_JOB_ID") and shutil.which("srun") else "local"
+    return SrunLauncher(cfg.slurm) if kind == "srun" else LocalLauncher(cfg.ranks)

@@ -154,6 +154,27 @@ class RetryConfig:
 
 
 @dataclass
+class SlurmConfig:
+    # Ranks per node for generate, score and train (one per GPU on a GPU cluster).
+    tasks_per_node: int = 1
+    gpus_per_task: int = 0  # srun --gpus-per-task for multi-rank steps (0: leave GPU binding to the site)
+    cpus_per_task: int = 0  # srun --cpus-per-task (0: SLURM's default)
+    nodes: int = 0  # nodes used by multi-rank steps (0: every node of the allocation)
+    srun_args: str = ""  # extra srun arguments for every step, space separated
+    # For `syncrl submit` (submitit): the coordinator's job.
+    partition: str = ""
+    account: str = ""
+    time_min: int = 60
+    job_name: str = "syncrl"
+
+    def __post_init__(self):
+        _positive("slurm.tasks_per_node", self.tasks_per_node)
+        _positive("slurm.time_min", self.time_min)
+        if self.gpus_per_task < 0 or self.cpus_per_task < 0 or self.nodes < 0:
+            raise ConfigError("slurm.gpus_per_task, slurm.cpus_per_task and slurm.nodes must be >= 0")
+
+
+@dataclass
 class RunConfig:
     run_dir: str = "runs/default"
     iterations: int = 1
@@ -167,6 +188,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     save: SaveConfig = field(default_factory=SaveConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self):
         _positive("iterations", self.iterations)
@@ -176,7 +198,7 @@ class RunConfig:
 
 
 # Keys that change how a run is executed but not what it computes: changing them on resume is fine.
-NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry")
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
