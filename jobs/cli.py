@@ -11,6 +11,7 @@ import logging
 import sys
 
 from stages.common.config import ConfigError, load_config
+from stages.common.paths import STAGES
 
 log = logging.getLogger("syncrl")
 
@@ -29,6 +30,30 @@ def main(argv=None) -> int:
     p = sub.add_parser("status", help="iterations x stages table of a run directory")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("submit", help="submit the coordinator as a SLURM job through submitit (from a login node)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("tail", help="per-rank logs of one stage, merged in time order")
+    p.add_argument("run_dir")
+    p.add_argument("--iteration", type=int, help="default: the latest stage that ran")
+    p.add_argument("--stage", choices=STAGES)
+    p.add_argument("--attempt", type=int, help="default: the latest attempt")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--rank", type=int)
+    who.add_argument("--node", help="node index or hostname")
+    p.add_argument("-n", "--lines", type=int, help="only the last N lines (before following)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the stage stops running")
+    p.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("rerun", help="clear one stage's markers and run only it")
+    p.add_argument("run_dir")
+    p.add_argument("--iteration", type=int, required=True)
+    p.add_argument("--stage", choices=STAGES, required=True)
+    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto")
+    p.set_defaults(func=cmd_rerun)
 
     p = sub.add_parser("init-model", help="write a built-in tiny base model (HF format) to a directory")
     p.add_argument("out_dir")
@@ -64,6 +89,48 @@ def cmd_run(args) -> int:
         return 1
     except KeyboardInterrupt:
         log.error("interrupted; rerun the same command to resume (completed stages are kept)")
+        return 130
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from jobs.coordinator import prepare_run, setup_coordinator_logging
+    from jobs.submit import print_submitted, submit
+
+    setup_coordinator_logging()
+    cfg = load_config(args.config, args.overrides)
+    prepare_run(cfg)
+    print_submitted(submit(cfg), cfg.run_dir)
+    return 0
+
+
+def cmd_tail(args) -> int:
+    from jobs.tail import tail
+
+    try:
+        tail(args.run_dir, args.iteration, args.stage, args.attempt, args.rank, args.node, args.follow, args.lines)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_rerun(args) -> int:
+    from jobs.coordinator import Coordinator, StageFailed, setup_coordinator_logging
+    from jobs.launchers import make_launcher
+    from stages.common.paths import RunPaths
+
+    setup_coordinator_logging()
+    paths = RunPaths(args.run_dir)
+    if not paths.config.is_file():
+        raise FileNotFoundError(f"{paths.config} not found: {paths.root} is not a syncrl run directory")
+    cfg = load_config(paths.config)
+    try:
+        Coordinator(cfg, make_launcher(args.launcher, cfg)).rerun(args.iteration, args.stage)
+    except StageFailed as e:
+        log.error("stopped: %s", e)
+        return 1
+    except KeyboardInterrupt:
+        log.error("interrupted")
         return 130
     return 0
 

@@ -7,6 +7,7 @@ so a killed or requeued coordinator resumes where the markers say.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -86,6 +87,16 @@ class Coordinator:
         self.chash = config_hash(cfg)
 
     def run(self) -> None:
+        with self._locked():
+            t0 = time.time()
+            for it in range(self.cfg.iterations):
+                self.run_iteration(it)
+            log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
+                     self.paths.root)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """One coordinator per run dir; SIGTERM (scancel, time limit) unwinds so launches are stopped."""
         lock = filelock.FileLock(self.paths.lock)
         try:
             lock.acquire(timeout=0)
@@ -94,14 +105,27 @@ class Coordinator:
                               f"(lock {self.paths.lock} is held); wait for it or stop it first") from None
         previous = signal.signal(signal.SIGTERM, _terminate)
         try:
-            t0 = time.time()
-            for it in range(self.cfg.iterations):
-                self.run_iteration(it)
-            log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
-                     self.paths.root)
+            yield
         finally:
             signal.signal(signal.SIGTERM, previous)
             lock.release()
+
+    def rerun(self, it: int, stage: str) -> None:
+        """Clear one stage's markers and run it alone. Later stages whose inputs change as a result
+        become stale (their markers no longer match) and are redone by the next `syncrl run`."""
+        with self._locked():
+            markers.clear_stage(self.paths, it, stage)
+            log.info("iteration %d %s: markers cleared, rerunning", it, stage)
+            self.run_stage(it, stage)
+            stale = [f"{later}@{i}" for i in range(it, self.cfg.iterations) for later in STAGES
+                     if (i, STAGES.index(later)) > (it, STAGES.index(stage)) and self._is_stale(i, later)]
+            if stale:
+                log.info("stale now (redone by the next run): %s", ", ".join(stale))
+
+    def _is_stale(self, it: int, stage: str) -> bool:
+        m = markers.read_marker(self.paths, it, stage)
+        inputs = markers.input_fingerprint(self.paths, it, stage, base_model_id(self.cfg))
+        return m is not None and markers.marker_problem(self.paths, m, self.chash, inputs) is not None
 
     def run_iteration(self, it: int) -> None:
         t0 = time.time()

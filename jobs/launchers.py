@@ -182,7 +182,10 @@ class SrunLauncher:
                f"--ntasks-per-node={self.cfg.tasks_per_node if multi else 1}",
                f"--nodelist={','.join(self.hosts[:nodes])}", "--kill-on-bad-exit=1",
                f"--job-name=syncrl-{stage}-{iteration:05d}", f"--output={log_pattern}", f"--error={log_pattern}",
-               "--open-mode=append"]
+               "--open-mode=append",
+               # Under `syncrl submit` the coordinator itself runs in a step on the first node;
+               # stage steps must be allowed to share that node's resources with it.
+               "--overlap"]
         if multi and self.cfg.gpus_per_task:
             cmd.append(f"--gpus-per-task={self.cfg.gpus_per_task}")
         if self.cfg.cpus_per_task:

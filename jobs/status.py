@@ -17,7 +17,7 @@ def stage_states(run_dir: str) -> list[dict]:
         raise FileNotFoundError(f"{paths.config} not found: {paths.root} is not a syncrl run directory")
     cfg = load_config(paths.config)
     chash = config_hash(cfg)
-    running = _coordinator_running(paths)
+    running = coordinator_running(paths)
     rows = []
     for it in range(max(cfg.iterations, max(paths.iterations_present(), default=-1) + 1)):
         for stage in STAGES:
@@ -45,7 +45,8 @@ def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running:
     return row
 
 
-def _coordinator_running(paths: RunPaths) -> bool:
+def coordinator_running(paths: RunPaths) -> bool:
+    """Whether a coordinator holds the run's lock (the lock dies with its process, even on kill -9)."""
     lock = filelock.FileLock(paths.lock)
     try:
         lock.acquire(timeout=0)

@@ -161,7 +161,9 @@ class SlurmConfig:
     cpus_per_task: int = 0  # srun --cpus-per-task (0: SLURM's default)
     nodes: int = 0  # nodes used by multi-rank steps (0: every node of the allocation)
     srun_args: str = ""  # extra srun arguments for every step, space separated
-    # For `syncrl submit` (submitit): the coordinator's job.
+    # For `syncrl submit` (submitit): the allocation the coordinator's job asks for.
+    submit_nodes: int = 2
+    gpus_per_node: int = 0
     partition: str = ""
     account: str = ""
     time_min: int = 60
@@ -170,8 +172,9 @@ class SlurmConfig:
     def __post_init__(self):
         _positive("slurm.tasks_per_node", self.tasks_per_node)
         _positive("slurm.time_min", self.time_min)
-        if self.gpus_per_task < 0 or self.cpus_per_task < 0 or self.nodes < 0:
-            raise ConfigError("slurm.gpus_per_task, slurm.cpus_per_task and slurm.nodes must be >= 0")
+        _positive("slurm.submit_nodes", self.submit_nodes)
+        if self.gpus_per_node < 0 or self.gpus_per_task < 0 or self.cpus_per_task < 0 or self.nodes < 0:
+            raise ConfigError("slurm.gpus_per_node, gpus_per_task, cpus_per_task and nodes must be >= 0")
 
 
 @dataclass

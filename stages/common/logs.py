@@ -1,4 +1,7 @@
-"""One logging setup for every stage: `[n<node>:r<rank>] <elapsed>s LEVEL message`.
+"""One logging setup for every stage: `[n<node>:r<rank>] HH:MM:SS.mmm <elapsed>s LEVEL message`.
+
+The wall-clock time lets `syncrl tail` merge the ranks' files in time order; the elapsed seconds
+since the process started make slow startups visible at a glance.
 
 The launcher (srun --output, or the LocalLauncher) sends each rank's stdout and stderr to its own
 file under logs/iter_I/<stage>/attempt_A/, so writing to stderr here puts everything in that file.
@@ -20,7 +23,8 @@ class _Formatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         elapsed = time.monotonic() - _START
-        line = f"[{self.tag}] {elapsed:7.1f}s {record.levelname:<7} {record.getMessage()}"
+        clock = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        line = f"[{self.tag}] {clock} {elapsed:7.1f}s {record.levelname:<7} {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -1,0 +1,147 @@
+"""`syncrl tail RUN_DIR`: one stage attempt's per-rank logs merged in time order, `[node:rank]` prefixed.
+
+Lines that carry syncrl's log prefix are ordered by their wall-clock time; other lines (library
+output, tracebacks) keep their place after the line before them. With `follow`, files are polled
+and lines printed as they arrive, including ranks whose file appears late, until the stage stops
+running. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jobs.status import coordinator_running
+from stages.common import markers
+from stages.common.paths import STAGES, RunPaths
+
+PREFIX = re.compile(r"^\[(n\d+:r\d+)\] (\d\d):(\d\d):(\d\d)\.(\d{3}) ")
+FIRST_LINE = re.compile(r"host=(\S+) .*node=(\d+)")
+POLL_S = 0.25
+
+
+@dataclass
+class RankLog:
+    path: Path
+    rank: int
+    tag: str = ""
+    host: str = ""
+    node: int | None = None
+    offset: int = 0
+    last_t: float = 0.0
+    day: float = 0.0
+    partial: str = ""
+    pending: list = field(default_factory=list)
+
+    def read_new(self) -> list[tuple[float, int, str]]:
+        """Whole lines appended since the last call, as (time, rank, prefixed text)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        text = self.partial + data.decode(errors="replace")
+        lines = text.split("\n")
+        self.partial = lines.pop()  # an unfinished last line waits for its newline
+        out = []
+        for line in lines:
+            line = line.replace("\r", "")
+            m = PREFIX.match(line)
+            if m:
+                t = int(m[2]) * 3600 + int(m[3]) * 60 + int(m[4]) + int(m[5]) / 1000 + self.day
+                if t < self.last_t - 12 * 3600:  # past midnight
+                    self.day += 86400
+                    t += 86400
+                self.last_t = t
+                self.tag = self.tag or m[1]
+                if self.node is None and (f := FIRST_LINE.search(line)):
+                    self.host, self.node = f[1], int(f[2])
+                text = line  # already prefixed by the stage's logger
+            else:
+                text = f"[{self.tag or f'r{self.rank}'}] {line}"
+            out.append((self.last_t, self.rank, text))
+        return out
+
+
+def latest_stage(paths: RunPaths) -> tuple[int, str]:
+    """The iteration and stage whose logs were written most recently."""
+    best = None
+    for it_dir in (paths.root / "logs").glob("iter_*"):
+        for stage_dir in it_dir.iterdir():
+            if stage_dir.name in STAGES:
+                mtime = max((p.stat().st_mtime for p in stage_dir.rglob("*")), default=stage_dir.stat().st_mtime)
+                key = (mtime, int(it_dir.name[5:]), STAGES.index(stage_dir.name))
+                best = max(best or key, key)
+    if best is None:
+        raise FileNotFoundError(f"no logs under {paths.root / 'logs'}: has the run started?")
+    return best[1], STAGES[best[2]]
+
+
+def select(paths: RunPaths, iteration: int | None, stage: str | None, attempt: int | None) -> tuple[int, str, int]:
+    if iteration is None or stage is None:
+        it, st = latest_stage(paths)
+        iteration = it if iteration is None else iteration
+        stage = st if stage is None else stage
+    attempt = attempt or paths.attempts_so_far(iteration, stage)
+    if attempt == 0:
+        raise FileNotFoundError(f"no logs for iteration {iteration} stage {stage} in {paths.root / 'logs'}")
+    return iteration, stage, attempt
+
+
+def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node=None, follow=False,
+         lines=None, out=sys.stdout, max_follow_s: float = 7 * 86400) -> None:
+    paths = RunPaths(run_dir)
+    iteration, stage, attempt = select(paths, iteration, stage, attempt)
+    log_dir = paths.logs(iteration, stage, attempt)
+    print(f"== {log_dir} (iteration {iteration}, stage {stage}, attempt {attempt})", file=out, flush=True)
+    logs: dict[int, RankLog] = {}
+
+    def poll() -> list[tuple[float, int, str]]:
+        for p in sorted(log_dir.glob("rank_*.log")):
+            r = int(p.stem[5:])
+            if r not in logs and (rank is None or r == rank):
+                logs[r] = RankLog(p, r)
+        new = []
+        for lg in logs.values():
+            got = lg.read_new()
+            if node is None or lg.node is None or str(node) in (str(lg.node), lg.host):
+                new += got
+        return sorted(new, key=lambda x: (x[0], x[1]))
+
+    batch = poll()
+    if lines:
+        batch = batch[-lines:]
+    _emit(batch, out)
+    if not follow:
+        return
+    deadline = time.monotonic() + max_follow_s
+    while time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        _emit(poll(), out)
+        if not _running(paths, iteration, stage, attempt):
+            _emit(poll(), out)  # lines written just before the end
+            print(f"== stage {stage} of iteration {iteration} is no longer running", file=out, flush=True)
+            return
+
+
+def _emit(batch, out) -> None:
+    for _, _, text in batch:
+        print(text, file=out)
+    out.flush()
+
+
+def _running(paths: RunPaths, iteration: int, stage: str, attempt: int) -> bool:
+    if markers.read_marker(paths, iteration, stage) is not None:
+        return False
+    if paths.attempts_so_far(iteration, stage) > attempt:
+        return False  # a retry started: this attempt is over
+    try:
+        st = markers.read_json(paths.markers(iteration) / f"{stage}.state.json")
+    except (FileNotFoundError, ValueError):
+        return True  # the coordinator has not written its state yet
+    return st.get("state") == "running" and st.get("attempt") == attempt and coordinator_running(paths)
