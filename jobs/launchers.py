@@ -7,13 +7,15 @@ LocalLauncher runs the stage modules as local processes with the environment con
 from __future__ import annotations
 
 import hashlib
-import shutil
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -206,7 +208,11 @@ class SrunLauncher:
         cmd, env = self.command(paths, iteration, stage, attempt)
         log.debug("launching: %s", " ".join(cmd))
         start = time.time()
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+        messages: list[str] = []
+        reader = threading.Thread(target=_relay_srun_messages, args=(proc.stderr, messages), daemon=True)
+        reader.start()
         try:
             code, timed_out = proc.wait(timeout_s or None), False
         except subprocess.TimeoutExpired:
@@ -215,10 +221,52 @@ class SrunLauncher:
         finally:
             if proc.poll() is None:
                 _kill(proc)  # srun forwards the signal and ends the step on every node
+        reader.join(timeout=10)
         n = self.ntasks(stage)
-        # srun reports one exit code for the step; the coordinator names failed ranks from their markers.
-        return LaunchResult({r: code for r in range(n)}, time.time() - start, timed_out,
-                            per_rank_codes=False)
+        culprits = first_failed_tasks(messages)
+        if code == 0 or not culprits:
+            # srun reports one exit code for the step; without its per-task message the coordinator
+            # names failed ranks from their missing markers.
+            return LaunchResult({r: code for r in range(n)}, time.time() - start, timed_out, per_rank_codes=False)
+        codes = {r: culprits.get(r, (0, ""))[0] for r in range(n)}
+        hosts = {r: h for r, (_, h) in culprits.items()}
+        return LaunchResult(codes, time.time() - start, timed_out, hosts=hosts)
+
+
+SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")
+
+
+def _relay_srun_messages(stream, messages: list[str]) -> None:
+    """Copy srun's own messages to the coordinator's log and keep them for the failure summary."""
+    for line in stream:
+        line = line.rstrip("\n")
+        messages.append(line)
+        log.warning("%s", line)
+
+
+def first_failed_tasks(messages: list[str]) -> dict[int, tuple[int, str]]:
+    """Ranks named by srun's first task error, the root cause: {rank: (exit code, host)}.
+
+    With --kill-on-bad-exit srun then terminates the other tasks and reports them too; those are
+    consequences, not failures, so only the first error line counts.
+    """
+    for line in messages:
+        m = SRUN_TASK_ERROR.match(line)
+        if not m:
+            continue
+        host, tasks, reason = m.groups()
+        code_match = re.search(r"exit code (\d+)", reason)
+        code = int(code_match[1]) if code_match else 128 + 9 if "Killed" in reason else 1
+        return {r: (code, host) for r in _task_ids(tasks)}
+    return {}
+
+
+def _task_ids(spec: str) -> list[int]:
+    ids = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        ids += range(int(lo), int(hi or lo) + 1)
+    return ids
 
 
 def derived_port(job_id: str, iteration: int, attempt: int, stage: str) -> int:

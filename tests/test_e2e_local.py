@@ -1,7 +1,6 @@
 """End to end on this machine: the real stages, LocalLauncher, DeepSpeed over gloo, 2 ranks."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ def test_two_iterations_then_everything_skipped(tmp_path):
         for stage, ranks in (("generate", 2), ("score", 2), ("gather", 1), ("train", 2), ("save", 1)):
             logs = sorted((run / "logs" / f"iter_{it:05d}" / stage / "attempt_1").glob("rank_*.log"))
             assert len(logs) == ranks, (it, stage, logs)
-            assert f"[n0:r0]" in logs[0].read_text()
+            assert "[n0:r0]" in logs[0].read_text()
         row = json.loads((d / "generate" / "rank_00001.jsonl").read_text().splitlines()[0])
         assert len(row["completion_ids"]) == len(row["logprobs"]) > 0 and row["rank"] == 1
 

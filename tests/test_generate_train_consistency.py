@@ -6,7 +6,7 @@ If the two disagreed, the PPO ratio would start away from 1 and clipping would b
 import pytest
 import torch
 
-from stages.common.config import GenerateConfig, TrainConfig
+from stages.common.config import GenerateConfig
 from stages.common.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.common.tiny_model import create_base_model
 from stages.generate import sample_batch, sample_seed

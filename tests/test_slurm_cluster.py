@@ -14,40 +14,7 @@ from pathlib import Path
 
 import pytest
 
-
-def run(cmd: list[str], timeout: float, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{shlex.join(cmd)} -> rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def job_state(job_id: str) -> str:
-    """JobState from scontrol (finished jobs stay visible for MinJobAge=300 s)."""
-    out = run(["scontrol", "show", "job", "-o", job_id], timeout=15, check=False).stdout
-    for field in out.split():
-        if field.startswith("JobState="):
-            return field.split("=", 1)[1]
-    return "UNKNOWN"
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def pid_gone(pid: int) -> bool:
-    """True once the process is gone; a zombie counts as gone (PID 1 here reaps orphans slowly)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+from tests.slurm_fixture import job_state, pid_gone, run, wait_for
 
 
 def write_script(path: Path, text: str) -> Path:
