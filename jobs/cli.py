@@ -73,24 +73,12 @@ def main(argv=None) -> int:
 
 
 def cmd_run(args) -> int:
-    from jobs.coordinator import Coordinator, StageFailed, prepare_run, setup_coordinator_logging
-    from jobs.launchers import make_launcher
+    from jobs.coordinator import prepare_run, setup_coordinator_logging
 
     setup_coordinator_logging()
     cfg = load_config(args.config, args.overrides)
     prepare_run(cfg)
-    launcher = make_launcher(args.launcher, cfg)
-    log.info("launcher %s: %d task(s) per multi-rank stage on %s", launcher.name, launcher.ntasks("train"),
-             ",".join(launcher.nodes()))
-    try:
-        Coordinator(cfg, launcher).run()
-    except StageFailed as e:
-        log.error("stopped: %s\nFix the cause, then rerun the same command: completed stages are kept.", e)
-        return 1
-    except KeyboardInterrupt:
-        log.error("interrupted; rerun the same command to resume (completed stages are kept)")
-        return 130
-    return 0
+    return _coordinate(cfg, args.launcher, lambda c: c.run())
 
 
 def cmd_submit(args) -> int:
@@ -115,8 +103,7 @@ def cmd_tail(args) -> int:
 
 
 def cmd_rerun(args) -> int:
-    from jobs.coordinator import Coordinator, StageFailed, setup_coordinator_logging
-    from jobs.launchers import make_launcher
+    from jobs.coordinator import setup_coordinator_logging
     from stages.common.paths import RunPaths
 
     setup_coordinator_logging()
@@ -124,13 +111,24 @@ def cmd_rerun(args) -> int:
     if not paths.config.is_file():
         raise FileNotFoundError(f"{paths.config} not found: {paths.root} is not a syncrl run directory")
     cfg = load_config(paths.config)
+    return _coordinate(cfg, args.launcher, lambda c: c.rerun(args.iteration, args.stage))
+
+
+def _coordinate(cfg, launcher_kind: str, action) -> int:
+    """Run `action(coordinator)`; a stage failure or an interrupt becomes an exit status and a hint."""
+    from jobs.coordinator import Coordinator, StageFailed
+    from jobs.launchers import make_launcher
+
+    launcher = make_launcher(launcher_kind, cfg)
+    log.info("launcher %s: %d task(s) per multi-rank stage on %s", launcher.name, launcher.ntasks("train"),
+             ",".join(launcher.nodes()))
     try:
-        Coordinator(cfg, make_launcher(args.launcher, cfg)).rerun(args.iteration, args.stage)
+        action(Coordinator(cfg, launcher))
     except StageFailed as e:
-        log.error("stopped: %s", e)
+        log.error("stopped: %s\nFix the cause, then run the same command again: completed stages are kept.", e)
         return 1
     except KeyboardInterrupt:
-        log.error("interrupted")
+        log.error("interrupted; run the same command again to resume (completed stages are kept)")
         return 130
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.status import coordinator_running
@@ -34,7 +34,6 @@ class RankLog:
     last_t: float = 0.0
     day: float = 0.0
     partial: str = ""
-    pending: list = field(default_factory=list)
 
     def read_new(self) -> list[tuple[float, int, str]]:
         """Whole lines appended since the last call, as (time, rank, prefixed text)."""

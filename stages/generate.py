@@ -83,13 +83,14 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
     completions = out.sequences[:, prompt_len:]
     logits = torch.stack(out.logits, dim=1)  # [B*attempts, T, V], raw (before temperature)
     logprobs = token_logprobs(logits, completions, g.temperature)
+    # The prompts without their left padding, once per prompt.
+    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     rows = []
     for j in range(completions.shape[0]):
         item = items[j // g.attempts]
         ids = completions[j].tolist()
         # Keep the end-of-sequence token: the policy must learn to stop, so train scores it too.
         n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
-        prompt_ids = enc["input_ids"][j // g.attempts][enc["attention_mask"][j // g.attempts].bool()].tolist()
         rows.append({
             "prompt_id": item["prompt_id"],
             "problem_index": item["problem_index"],
@@ -97,7 +98,7 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
             "question": item["question"],
             "answer": item["answer"],
             "prompt": item["prompt"],
-            "prompt_ids": prompt_ids,
+            "prompt_ids": prompt_ids[j // g.attempts],
             "completion_ids": ids[:n],
             "completion": tokenizer.decode(ids[:n], skip_special_tokens=True),
             "logprobs": [round(x, 6) for x in logprobs[j, :n].tolist()],

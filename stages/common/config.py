@@ -33,7 +33,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        _choice("model.preset", self.preset, ("tiny-llama",))
+        _choice("model.preset", self.preset, ("tiny-llama", "small-llama"))
 
 
 @dataclass
