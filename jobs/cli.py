@@ -27,6 +27,12 @@ def main(argv=None) -> int:
                    help="auto: srun steps inside a SLURM allocation, local processes elsewhere")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("check", help="validate a config (keys, paths, DeepSpeed JSON, sizes, resources)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto")
+    p.set_defaults(func=cmd_check)
+
     p = sub.add_parser("status", help="iterations x stages table of a run directory")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_status)
@@ -72,11 +78,34 @@ def main(argv=None) -> int:
         return 2
 
 
+def cmd_check(args) -> int:
+    from jobs.check import check_files
+
+    problems = check_files(args.config, args.overrides, args.launcher)
+    for p in problems:
+        print(f"syncrl check: {p}", file=sys.stderr)
+    if not problems:
+        print(f"syncrl check: {args.config}: no problems found")
+    return 2 if problems else 0
+
+
+def _checked_config(args, launcher: str):
+    """The config, or ConfigError listing every problem `syncrl check` finds."""
+    from jobs.check import check
+
+    cfg = load_config(args.config, args.overrides)
+    problems = check(cfg, launcher)
+    if problems:
+        raise ConfigError("\n".join(problems) if len(problems) == 1 else
+                          f"{len(problems)} problems:\n  " + "\n  ".join(problems))
+    return cfg
+
+
 def cmd_run(args) -> int:
     from jobs.coordinator import prepare_run, setup_coordinator_logging
 
     setup_coordinator_logging()
-    cfg = load_config(args.config, args.overrides)
+    cfg = _checked_config(args, args.launcher)
     prepare_run(cfg)
     return _coordinate(cfg, args.launcher, lambda c: c.run())
 
@@ -86,7 +115,7 @@ def cmd_submit(args) -> int:
     from jobs.submit import print_submitted, submit
 
     setup_coordinator_logging()
-    cfg = load_config(args.config, args.overrides)
+    cfg = _checked_config(args, "srun")
     prepare_run(cfg)
     print_submitted(submit(cfg), cfg.run_dir)
     return 0

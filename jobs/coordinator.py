@@ -14,10 +14,10 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 import filelock
 
+from jobs.check import resolve_paths
 from stages.common import markers
 from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, dump_config, load_config, to_dict
 from stages.common import retry as policies
@@ -26,7 +26,6 @@ from stages.common.stage import base_model_id
 
 log = logging.getLogger("syncrl.coordinator")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 15
 
 
@@ -55,28 +54,6 @@ def prepare_run(cfg: RunConfig) -> RunPaths:
         log.info("creating the built-in %s base model in %s", cfg.model.preset, paths.base_model)
         create_base_model(paths.base_model, cfg.model.preset, cfg.seed)
     return paths
-
-
-def resolve_paths(cfg: RunConfig) -> None:
-    """Make file paths absolute, so stages find them whatever their working directory.
-
-    A relative path is looked up in the working directory first, then in the project's checkout
-    (where configs/ lives), so `syncrl run configs/x.yaml` works from anywhere.
-    """
-    cfg.run_dir = str(Path(cfg.run_dir).expanduser().resolve())
-    for section, key in (("train", "deepspeed_config"), ("model", "path"), ("model", "tokenizer"),
-                         ("data", "source")):
-        obj = getattr(cfg, section)
-        value = getattr(obj, key)
-        if not value or value == "synthetic" or Path(value).is_absolute():
-            continue
-        for base in (Path.cwd(), PROJECT_ROOT):
-            if (base / value).exists():
-                setattr(obj, key, str((base / value).resolve()))
-                break
-        else:
-            if section != "data":  # a data source may be a hub name
-                raise ConfigError(f"{section}.{key}: {value} not found (looked in {Path.cwd()} and {PROJECT_ROOT})")
 
 
 class Coordinator:
@@ -215,16 +192,31 @@ class Coordinator:
             "hosts": sorted(set((hosts or {}).values())), "coordinator": f"{socket.gethostname()}:{os.getpid()}"})
 
     def _log_tails(self, it: int, stage: str, attempt: int, ranks: list[int], result) -> str:
+        """Per failed rank: its failure record when it wrote one (it raised), else its log's last lines."""
         parts = []
         for r in ranks[:4]:
             p = self.paths.rank_log(it, stage, attempt, r)
             code = result.returncodes.get(r)
-            try:
-                lines = p.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            except FileNotFoundError:
-                lines = ["(no log file)"]
-            parts.append(f"--- rank {r} (exit {code}) {p}\n" + "\n".join(lines))
+            record = _read_failure_record(self.paths, it, stage, r, attempt)
+            if record:
+                lines = record["last_lines"][-LOG_TAIL_LINES:] + record["traceback"][-2:]
+                head = f"--- rank {r} on {record['host']} raised {record['exception']} (log {p})"
+            else:
+                try:
+                    lines = p.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                except FileNotFoundError:
+                    lines = ["(no log file)"]
+                head = f"--- rank {r} (exit {code}) {p}"
+            parts.append(head + "\n" + "\n".join(line.rstrip("\n") for line in lines))
         return "\n".join(parts)
+
+
+def _read_failure_record(paths: RunPaths, it: int, stage: str, rank: int, attempt: int) -> dict | None:
+    try:
+        record = markers.read_json(paths.markers(it) / f"{stage}.rank_{rank:05d}.failed")
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if record.get("attempt") == attempt else None
 
 
 def _terminate(signum, frame):

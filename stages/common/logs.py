@@ -9,11 +9,14 @@ file under logs/iter_I/<stage>/attempt_A/, so writing to stderr here puts everyt
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 import time
 
 _START = time.monotonic()
+# The last lines this process logged, quoted in its failure record.
+_RECENT: collections.deque[str] = collections.deque(maxlen=20)
 
 
 class _Formatter(logging.Formatter):
@@ -34,13 +37,28 @@ def setup_logging(tag: str, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
+    formatter = _Formatter(tag)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(tag))
+    handler.setFormatter(formatter)
     root.addHandler(handler)
+    recent = _RecentHandler()
+    recent.setFormatter(formatter)
+    root.addHandler(recent)
     root.setLevel(level)
     # Libraries that log at INFO on every call would drown the rank logs.
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def recent_lines() -> list[str]:
+    return list(_RECENT)
+
+
+class _RecentHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        record_exc, record.exc_info = record.exc_info, None  # tracebacks are recorded separately
+        _RECENT.append(self.format(record))
+        record.exc_info = record_exc
 
 
 def log0(logger: logging.Logger, rank: int, msg: str, *args) -> None:

@@ -12,13 +12,14 @@ import logging
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.common import markers
 from stages.common.config import ConfigError, RunConfig, config_hash, load_config
 from stages.common.dist import DistInfo, destroy_process_group, dist_info
-from stages.common.logs import setup_logging
+from stages.common.logs import recent_lines, setup_logging
 from stages.common.paths import RunPaths
 
 log = logging.getLogger("syncrl.stage")
@@ -88,6 +89,18 @@ def make_context(stage: str, run_dir: str, iteration: int, overrides=()) -> Stag
         inputs=markers.input_fingerprint(paths, iteration, stage, base_model_id(cfg)))
 
 
+def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
+    """What the coordinator's failure summary quotes: who failed, where, with what, and the last lines."""
+    try:
+        markers.write_json_atomic(
+            ctx.paths.markers(ctx.iteration) / f"{ctx.stage}.rank_{ctx.rank:05d}.failed",
+            {"stage": ctx.stage, "iteration": ctx.iteration, "rank": ctx.rank, "host": ctx.info.host,
+             "attempt": ctx.attempt, "time": time.time(), "exception": f"{type(exc).__name__}: {exc}",
+             "traceback": traceback.format_exception(exc)[-6:], "last_lines": recent_lines()})
+    except OSError as e:  # a full or unreachable filesystem must not hide the original error
+        log.error("could not write the failure record: %s", e)
+
+
 def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None) -> None:
     """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=main.__doc__)
@@ -95,7 +108,7 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None) -> None:
     parser.add_argument("--iteration", type=int, required=True, help="RL iteration number, from 0")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
     args = parser.parse_args(argv)
-    code = 1
+    code, ctx = 1, None
     try:
         ctx = make_context(stage, args.run_dir, args.iteration, args.overrides)
         setup_logging(ctx.info.tag)
@@ -113,7 +126,10 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None) -> None:
         code = 2
     except Exception as e:
         log.exception("%s failed", stage)
-        print(f"{stage}: rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        rank = ctx.rank if ctx else dist_info().rank
+        if ctx is not None:
+            write_failure_record(ctx, e)
+        print(f"{stage}: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         destroy_process_group()
     sys.stdout.flush()

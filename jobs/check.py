@@ -1,0 +1,280 @@
+"""`syncrl check CONFIG [key=value ...]`: find every problem before any allocation time is spent.
+
+Each problem is one line naming the key or file and the fix. `syncrl run` and `syncrl submit` run
+these checks first and stop with exit status 2 when any is found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, load_config, to_dict
+from stages.common.data import read_jsonl_problems
+from stages.common.paths import RunPaths
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> list[str]:
+    """Problems with a loaded config (file paths may still be relative). Empty list: good to go."""
+    env = os.environ if env is None else env
+    problems: list[str] = []
+    problems += _check_run_dir(cfg)
+    problems += _check_model(cfg)
+    problems += _check_data(cfg)
+    problems += _check_deepspeed(cfg)
+    problems += _check_sizes(cfg, world_size(cfg, launcher, env))
+    problems += _check_resources(cfg, launcher, env)
+    return problems
+
+
+def check_files(config_path: str | None, overrides=(), launcher: str = "auto") -> list[str]:
+    """Load and check; a config that does not load is itself the (single) problem."""
+    try:
+        cfg = load_config(config_path, overrides)
+    except ConfigError as e:
+        return [str(e)]
+    return check(cfg, launcher)
+
+
+def resolve(value: str) -> Path | None:
+    """A relative path is looked up in the working directory, then in the project's checkout."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return p if p.exists() else None
+    for base in (Path.cwd(), PROJECT_ROOT):
+        if (base / p).exists():
+            return (base / p).resolve()
+    return None
+
+
+def world_size(cfg: RunConfig, launcher: str, env) -> int:
+    if _in_allocation(launcher, env):
+        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        return (cfg.slurm.nodes or nodes) * cfg.slurm.tasks_per_node
+    if launcher == "srun":
+        return cfg.slurm.submit_nodes * cfg.slurm.tasks_per_node
+    return cfg.ranks
+
+
+def _in_allocation(launcher: str, env) -> bool:
+    return launcher == "srun" or (launcher == "auto" and bool(env.get("SLURM_JOB_ID")) and bool(shutil.which("srun")))
+
+
+def _check_run_dir(cfg: RunConfig) -> list[str]:
+    root = Path(cfg.run_dir).expanduser()
+    if root.exists() and not root.is_dir():
+        return [f"run_dir {root} is a file, not a directory: choose another run_dir"]
+    parent = next((p for p in [root, *root.parents] if p.exists()), None)
+    if parent is not None and not os.access(parent, os.W_OK):
+        return [f"run_dir {root}: {parent} is not writable: choose a run_dir you can write to"]
+    frozen = RunPaths(root).config
+    if not frozen.is_file():
+        return []
+    try:
+        old = load_config(frozen)
+    except ConfigError as e:
+        return [f"{frozen} (the run's frozen config) does not load: {e}; restore it or use a new run_dir"]
+    new = copy.deepcopy(cfg)
+    try:
+        resolve_paths(new)
+    except ConfigError:
+        return []  # the missing path is reported by its own check
+    if config_hash(old) != config_hash(new):
+        diff = "; ".join(config_diff(to_dict(old), to_dict(new)))
+        return [f"run_dir {root} holds a run started with a different config ({diff}): resume with the "
+                f"same settings, or start a new run with another run_dir"]
+    return []
+
+
+def resolve_paths(cfg: RunConfig) -> None:
+    """Make cfg's file paths absolute in place, so stages find them whatever their working directory."""
+    cfg.run_dir = str(Path(cfg.run_dir).expanduser().resolve())
+    for section, key in (("train", "deepspeed_config"), ("model", "path"), ("model", "tokenizer"),
+                         ("data", "source")):
+        obj = getattr(cfg, section)
+        value = getattr(obj, key)
+        if not value or value == "synthetic":
+            continue
+        path = resolve(value)
+        if path is not None:
+            setattr(obj, key, str(path))
+        elif section != "data" or _looks_like_path(value):  # a data source may be a hub name
+            raise ConfigError(f"{section}.{key}: {value} not found (looked in {Path.cwd()} and {PROJECT_ROOT})")
+
+
+def _looks_like_path(value: str) -> bool:
+    # Hub names look like "owner/name"; anything else with a slash, a suffix or a leading . / ~ is a path.
+    return value.endswith((".jsonl", ".json")) or value.startswith(("/", ".", "~")) or value.count("/") > 1
+
+
+def _check_model(cfg: RunConfig) -> list[str]:
+    m = cfg.model
+    if not m.path:
+        return []
+    problems = []
+    path = resolve(m.path)
+    if path is None:
+        return [f"model.path {m.path} not found: give a Hugging Face model directory (config.json + weights) "
+                f"on a filesystem every node sees, or leave it empty for the built-in preset"]
+    if not (path / "config.json").is_file():
+        problems.append(f"model.path {path} has no config.json: it is not a Hugging Face model directory")
+    elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        problems.append(f"model.path {path} has no *.safetensors or *.bin weights")
+    tok = resolve(m.tokenizer) if m.tokenizer else path
+    if m.tokenizer and tok is None:
+        problems.append(f"model.tokenizer {m.tokenizer} not found: give the tokenizer directory, or leave it "
+                        "empty to use model.path")
+    elif tok is not None and not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
+        problems.append(f"{'model.tokenizer' if m.tokenizer else 'model.path'} {tok} has no tokenizer.json or "
+                        "tokenizer_config.json: set model.tokenizer to the tokenizer's directory")
+    return problems
+
+
+def _check_data(cfg: RunConfig) -> list[str]:
+    src = cfg.data.source
+    if src == "synthetic":
+        return []
+    path = resolve(src)
+    if path is None:
+        if _looks_like_path(src):
+            return [f"data.source {src} not found: give a GSM8K-format JSONL file, a hub name, or 'synthetic'"]
+        return []  # a hub name: checked when the stage loads it
+    if not os.access(path, os.R_OK):
+        return [f"data.source {path} is not readable: fix its permissions"]
+    try:
+        problems = read_jsonl_problems(path)
+    except ConfigError as e:
+        return [f"data.source: {e}"]
+    if len(problems) < cfg.data.prompts_per_iteration:
+        return [f"data.source {path} has {len(problems)} problems, fewer than data.prompts_per_iteration "
+                f"({cfg.data.prompts_per_iteration}): problems would repeat within an iteration; lower it"]
+    return []
+
+
+def _check_deepspeed(cfg: RunConfig) -> list[str]:
+    key = "train.deepspeed_config"
+    path = resolve(cfg.train.deepspeed_config)
+    if path is None:
+        return [f"{key} {cfg.train.deepspeed_config} not found: give a DeepSpeed JSON (see configs/ds_*.json)"]
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{key} {path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"]
+    except OSError as e:
+        return [f"{key} {path}: cannot be read ({e.strerror}): fix its permissions"]
+    if not isinstance(ds, dict):
+        return [f"{key} {path}: the top level must be a JSON object"]
+    problems = []
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (1, 2, 3):
+        problems.append(f"{key} {path}: zero_optimization.stage is {stage}; syncrl's save stage consolidates "
+                        "ZeRO shards, so use stage 1, 2 or 3")
+    problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
+    return problems
+
+
+def deepspeed_key_problems(ds: dict, cfg: RunConfig) -> list[str]:
+    """Keys DeepSpeed's own config classes reject, or never read (DeepSpeed ignores unknown top-level keys)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+    t = cfg.train
+    full = {**ds, "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps,
+            "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps}
+    tracked = _TrackingDict(full)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            DeepSpeedConfig(tracked)
+    except Exception as e:  # DeepSpeed raises pydantic ValidationErrors and plain asserts
+        first = str(e).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        return [f"DeepSpeed rejects this config: {detail}"]
+    unknown = sorted(set(ds) - tracked.seen)
+    return [f"key '{k}' is not a DeepSpeed setting (DeepSpeed would silently ignore it): remove or fix it"
+            for k in unknown]
+
+
+class _TrackingDict(dict):
+    """Records which top-level keys DeepSpeed's config parser looks at."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen: set = set()
+
+    def get(self, key, *default):
+        self.seen.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+
+def _check_sizes(cfg: RunConfig, world: int) -> list[str]:
+    problems = []
+    d, g = cfg.data, cfg.generate
+    if d.prompts_per_iteration % world:
+        lo = max(world, d.prompts_per_iteration // world * world)
+        problems.append(f"data.prompts_per_iteration ({d.prompts_per_iteration}) is not divisible by the {world} "
+                        f"ranks: shards would be uneven; use {lo} or {lo + world}")
+    if g.batch_size % g.attempts:
+        problems.append(f"generate.batch_size ({g.batch_size}) is not a multiple of generate.attempts "
+                        f"({g.attempts}): each generate call samples whole groups; use "
+                        f"{max(g.attempts, g.batch_size // g.attempts * g.attempts)}")
+    return problems
+
+
+def _check_resources(cfg: RunConfig, launcher: str, env) -> list[str]:
+    s = cfg.slurm
+    if _in_allocation(launcher, env):
+        problems = []
+        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        if s.nodes > nodes:
+            problems.append(f"slurm.nodes ({s.nodes}) exceeds the allocation's {nodes} nodes: "
+                            f"sbatch --nodes={s.nodes}, or lower slurm.nodes")
+        cpus = _first_int(env.get("SLURM_CPUS_ON_NODE"))
+        need = s.tasks_per_node * max(s.cpus_per_task, 1)
+        if cpus and need > cpus:
+            problems.append(f"slurm.tasks_per_node x cpus_per_task ({need}) exceeds the {cpus} CPUs per node of "
+                            "this allocation: lower them or ask for bigger nodes")
+        gpus = _first_int(env.get("SLURM_GPUS_ON_NODE"))
+        if gpus is not None and s.gpus_per_task * s.tasks_per_node > gpus:
+            problems.append(f"slurm.tasks_per_node x gpus_per_task ({s.gpus_per_task * s.tasks_per_node}) exceeds "
+                            f"the {gpus} GPUs per node of this allocation")
+        return problems
+    if launcher == "srun":
+        return []
+    gpus = _local_gpu_count()
+    if gpus and cfg.ranks > gpus:
+        return [f"ranks ({cfg.ranks}) exceeds the {gpus} GPUs of this machine: set ranks={gpus}"]
+    return []
+
+
+def _first_int(value) -> int | None:
+    try:
+        return int(str(value).split("(")[0].split(",")[0])
+    except (TypeError, ValueError):
+        return None
+
+
+def _local_gpu_count() -> int:
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())

@@ -1,0 +1,98 @@
+"""`syncrl check`: every malformed config or override gives one line naming the key or file and the fix."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.check import check_files
+from stages.common.config import dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "local_tiny.yaml")
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "run_file").write_text("not a dir")
+    (tmp_path / "empty_model").mkdir()
+    (tmp_path / "empty_model" / "tokenizer.json").write_text("{}")  # only config.json is missing
+    (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 2},\n "bf16": }')
+    (tmp_path / "unknown_key.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "zero_optimisation": 1}))
+    (tmp_path / "bad_nested.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+    (tmp_path / "stage0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    (tmp_path / "rows.jsonl").write_text('{"question": "q", "answer": "no number"}\n')
+    (tmp_path / "few.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    (tmp_path / "syntax.yaml").write_text("iterations: [1,\n")
+    return tmp_path
+
+
+CASES = [
+    # (overrides, config file or None for local_tiny, expected fragments of the single line)
+    (["iteratons=2"], None, ["unknown key 'iteratons'", "valid keys:"]),
+    (["train.lrate=1"], None, ["unknown key 'train.lrate'", "valid keys:", "lr"]),
+    (["iterations=two"], None, ["'iterations' must be an integer"]),
+    (["generate.top_p=1.5"], None, ["generate.top_p must be in (0, 1]"]),
+    (["train.lr=-1"], None, ["train.lr must be > 0"]),
+    (["gather.advantage=ppo"], None, ["gather.advantage must be one of grpo, rloo, none"]),
+    (["iterations"], None, ["override 'iterations' has no '='", "key=value"]),
+    ([], "missing.yaml", ["missing.yaml not found"]),
+    ([], "{d}/syntax.yaml", ["syntax.yaml: YAML syntax error at line"]),
+    (["run_dir={d}/run_file"], None, ["run_file is a file", "choose another run_dir"]),
+    (["model.path={d}/nope"], None, ["model.path", "nope not found", "Hugging Face model directory"]),
+    (["model.path={d}/empty_model"], None, ["model.path", "has no config.json"]),
+    (["train.deepspeed_config={d}/none.json"], None, ["train.deepspeed_config", "none.json not found"]),
+    (["train.deepspeed_config={d}/bad.json"], None, ["bad.json: not valid JSON at line 2"]),
+    (["train.deepspeed_config={d}/unknown_key.json"], None, ["key 'zero_optimisation' is not a DeepSpeed setting"]),
+    (["train.deepspeed_config={d}/bad_nested.json"], None, ["DeepSpeed rejects this config", "overlap_com"]),
+    (["train.deepspeed_config={d}/stage0.json"], None, ["zero_optimization.stage is 0", "use stage 1, 2 or 3"]),
+    (["data.source={d}/missing.jsonl"], None, ["data.source", "missing.jsonl not found"]),
+    (["data.source={d}/rows.jsonl"], None, ["rows.jsonl:1: 'answer' must end with '#### <number>'"]),
+    (["data.source={d}/few.jsonl"], None, ["has 1 problems, fewer than data.prompts_per_iteration"]),
+    (["ranks=3"], None, ["data.prompts_per_iteration (64) is not divisible by the 3 ranks", "use 63 or 66"]),
+    (["generate.batch_size=12"], None, ["generate.batch_size (12) is not a multiple of generate.attempts (8)"]),
+]
+
+
+@pytest.mark.parametrize("overrides,config,needles", CASES)
+def test_each_problem_is_one_clear_line(files, overrides, config, needles):
+    overrides = [o.format(d=files) for o in overrides]
+    config = config.format(d=files) if config else TINY
+    problems = check_files(config, [*overrides, f"run_dir={files}/run"] if not any(
+        o.startswith("run_dir=") for o in overrides) else overrides, launcher="local")
+    assert len(problems) == 1, problems
+    for needle in needles:
+        assert needle in problems[0], problems[0]
+    assert "\n" not in problems[0]
+
+
+def test_changed_config_on_resume_is_refused_with_the_diff(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    from jobs.check import resolve_paths
+    cfg = load_config(TINY, [f"run_dir={run}"])
+    resolve_paths(cfg)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    assert check_files(TINY, [f"run_dir={run}", "iterations=30"], "local") == []  # how, not what: fine
+    problems = check_files(TINY, [f"run_dir={run}", "train.lr=0.5"], "local")
+    assert len(problems) == 1 and "different config (train.lr: 0.003 -> 0.5)" in problems[0]
+
+
+def test_shipped_configs_pass(tmp_path):
+    for ds in sorted((ROOT / "configs").glob("ds_*.json")):
+        assert check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={ds}"], "local") == [], ds
+
+
+def test_cli_exit_status_and_no_traceback(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "jobs.cli", "check", TINY, "ranks=3", "generate.batch_size=12",
+                          f"run_dir={tmp_path}/r"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("syncrl check: ") for line in lines), bad.stderr
+    assert "Traceback" not in bad.stderr
+    run = subprocess.run([sys.executable, "-m", "jobs.cli", "run", TINY, "iteratons=2", f"run_dir={tmp_path}/r"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "unknown key 'iteratons'" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "r").exists()  # nothing was started
