@@ -37,9 +37,14 @@ def main(ctx: StageContext) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
     t1 = time.time()
     model = load_policy(ctx.policy_path(), "float32")
-    export(model, state, tmp, ctx)
-    export_s = time.time() - t1
-    verify(tmp, state)
+    try:
+        export(model, state, tmp, ctx)
+        export_s = time.time() - t1
+        verify(tmp, state)
+    except BaseException:
+        # A full disk or a bad export leaves nothing half-written behind; what was published stays.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     publish(tmp, target)
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
     log.info("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,

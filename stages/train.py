@@ -60,6 +60,7 @@ def main(ctx: StageContext) -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
     resume_optimizer(ctx, engine)
+    dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     startup_s = time.time() - t0
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
@@ -84,7 +85,8 @@ def main(ctx: StageContext) -> None:
     }
     log.info("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
              summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
-    torch.distributed.barrier()  # the checkpoint is whole on every rank before anyone marks done
+    # The checkpoint is whole on every rank before anyone marks done; a rank that never arrives is named.
+    dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
 
 

@@ -116,3 +116,64 @@ def export_torch_env(info: DistInfo) -> None:
         if old is not None and old != str(value):
             log.warning("overriding %s=%s with %s", key, old, value)
         os.environ[key] = str(value)
+
+
+class BarrierTimeout(RuntimeError):
+    """Some ranks did not reach a barrier in time; the message names them."""
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """A bounded barrier over the stage's process group that names the ranks that did not arrive.
+
+    Uses gloo's monitored_barrier (a gloo side group when the main backend is NCCL, whose own
+    barrier can only hang or time out without saying who is missing).
+    """
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return
+    group = _gloo_group()
+    log.info("barrier '%s' (timeout %.0fs)", name, timeout_s)
+    try:
+        tdist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise BarrierTimeout(f"barrier '{name}': {e} (waited {timeout_s:.0f}s)") from None
+
+
+_GLOO_GROUP = None
+
+
+def _gloo_group():
+    global _GLOO_GROUP
+    import torch.distributed as tdist
+
+    if tdist.get_backend() == "gloo":
+        return None  # the default group already is gloo
+    if _GLOO_GROUP is None:
+        _GLOO_GROUP = tdist.new_group(backend="gloo")
+    return _GLOO_GROUP
+
+
+def file_barrier(directory, name: str, rank: int, world_size: int, timeout_s: float, poll_s: float = 0.2) -> None:
+    """A barrier through files on the shared filesystem, for phases that have no process group.
+
+    `name` must be unique per run, iteration, stage and attempt (callers build it from those), so
+    arrival files are never deleted: a rank still waiting can never miss one that was cleaned up.
+    """
+    import time
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.rank_{rank:05d}").touch()
+    deadline = time.monotonic() + timeout_s
+    prefix = f"{name}.rank_"
+    while True:
+        arrived = {int(n[len(prefix):]) for n in os.listdir(directory) if n.startswith(prefix)}
+        missing = sorted(set(range(world_size)) - arrived)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BarrierTimeout(f"file barrier '{name}' in {directory}: ranks {','.join(map(str, missing))} did not "
+                                 f"arrive within {timeout_s:.0f}s")
+        time.sleep(poll_s)

@@ -1,0 +1,40 @@
+"""The distributed runtime: env table, bounded barriers that name missing ranks."""
+
+import threading
+
+import pytest
+
+from stages.common.dist import BarrierTimeout, dist_info, file_barrier
+
+
+def test_env_table_slurm_and_torchrun_names():
+    slurm = dist_info({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NODEID": "2",
+                       "SLURM_STEP_NUM_NODES": "4", "MASTER_ADDR": "n1", "MASTER_PORT": "23456"})
+    assert (slurm.rank, slurm.local_rank, slurm.world_size, slurm.node_id, slurm.num_nodes) == (5, 1, 8, 2, 4)
+    assert slurm.tag == "n2:r5" and slurm.master_addr == "n1" and slurm.master_port == 23456
+    # torchrun's names win: torchrun inside an allocation knows the real layout
+    both = dist_info({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "3", "WORLD_SIZE": "4"})
+    assert (both.rank, both.world_size) == (3, 4)
+    alone = dist_info({})
+    assert (alone.rank, alone.world_size, alone.is_main) == (0, 1, True)
+
+
+def test_file_barrier_releases_all_and_names_missing(tmp_path):
+    errors = []
+
+    def arrive(rank):
+        try:
+            file_barrier(tmp_path, "it3.gather.attempt_1.done", rank, 3, timeout_s=10, poll_s=0.01)
+        except Exception as e:  # noqa: BLE001 - collected for the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=arrive, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not errors
+    (tmp_path / "it3.gather.attempt_2.done.rank_00002").touch()  # rank 2 arrived earlier
+    with pytest.raises(BarrierTimeout, match="ranks 1,3 did not arrive within 0s"):
+        file_barrier(tmp_path, "it3.gather.attempt_2.done", 0, 4, timeout_s=0.2, poll_s=0.01)
+    file_barrier(tmp_path, "it3.gather.attempt_1.done", 2, 3, timeout_s=0)  # arrivals are never deleted

@@ -1,0 +1,271 @@
+"""Fault injection on the real two-node SLURM cluster (and locally where SLURM adds nothing).
+
+Each case injects a fault, then checks that the run either finishes with the same results as an
+undisturbed run of the same seed or stops within a bounded time with a clear message, that no
+completed stage is redone, and that no file in the run dir is half-written. Each prints its
+time-to-detect and time-to-recover (run with -s to see them; the README's matrix comes from these).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages.common.paths import STAGES
+from tests.slurm_fixture import job_state, run, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16", "retry.backoff_s=0.5"]
+JOB_TIMEOUT_S = 600
+
+
+def report(case: str, detect_s: float | None, recover_s: float | None) -> None:
+    fmt = lambda x: "-" if x is None else f"{x:.1f}s"  # noqa: E731
+    print(f"\nFAULT {case}: time-to-detect {fmt(detect_s)}, time-to-recover {fmt(recover_s)}")
+
+
+def sbatch(out_dir: Path, *args: str) -> str:
+    env = dict(os.environ, SYNCRL_PYTHON=sys.executable)
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/job-%j.out", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def finished(job: str) -> str | None:
+    state = job_state(job)
+    return state if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
+
+
+def sbatch_run(out_dir: Path, run_dir: Path, *extra: str) -> str:
+    return sbatch(out_dir, "slurm/rl_2node.sbatch", "configs/local_tiny.yaml", f"run_dir={run_dir}",
+                  "iterations=1", *SMALL, *extra)
+
+
+def job_log(out_dir: Path, job: str) -> str:
+    p = out_dir / f"job-{job}.out"
+    return p.read_text() if p.is_file() else ""
+
+
+def rank_pid(log: Path) -> int | None:
+    m = re.search(r"pid=(\d+)", log.read_text()) if log.is_file() else None
+    return int(m[1]) if m else None
+
+
+def done_markers(run_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in run_dir.glob("iter_*/markers/*.done")}
+
+
+def no_half_files(run_dir: Path) -> None:
+    temps = [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+    assert not temps, f"half-written files left: {temps}"
+
+
+def final_weights(run_dir: Path) -> bytes:
+    return (run_dir / "models" / "iter_00000" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference_run(slurm_cluster, tmp_path_factory):
+    """An undisturbed 1-iteration run: the results every recovered run must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    job = sbatch_run(out, out / "run")
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the reference run") == "COMPLETED", job_log(out, job)
+    return out / "run"
+
+
+def same_results(run_dir: Path, reference: Path) -> None:
+    for stage in ("generate", "score"):
+        for rank in (0, 1):
+            name = f"iter_00000/{stage}/rank_{rank:05d}.jsonl"
+            assert (run_dir / name).read_bytes() == (reference / name).read_bytes(), name
+    assert (run_dir / "iter_00000/gather/train.jsonl").read_bytes() == \
+        (reference / "iter_00000/gather/train.jsonl").read_bytes()
+    assert final_weights(run_dir) == final_weights(reference)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_generate_rank_exits_nonzero_is_retried(reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job = sbatch_run(tmp_path, run_dir)
+    log = run_dir / "logs" / "iter_00000" / "generate" / "attempt_1" / "rank_00001.log"
+    pid = wait_for(lambda: rank_pid(log), 300, "generate rank 1 to start", interval=0.02)
+    os.kill(pid, signal.SIGTERM)  # the rank exits non-zero (143)
+    t_fault = time.time()
+    attempt2 = run_dir / "logs" / "iter_00000" / "generate" / "attempt_2"
+    wait_for(attempt2.is_dir, 120, "the retry to start", interval=0.05)
+    detect = time.time() - t_fault
+    wait_for(lambda: (run_dir / "iter_00000/markers/generate.done").is_file(), 300, "generate to finish")
+    recover = time.time() - t_fault
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
+    assert "iteration 0 generate attempt 1 failed on rank(s) 1" in job_log(tmp_path, job)
+    same_results(run_dir, reference_run)
+    no_half_files(run_dir)
+    report("generate rank exits non-zero", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_hung_train_rank_is_detected_within_the_timeout(reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job = sbatch_run(tmp_path, run_dir, "train.timeout_s=20")
+    log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
+    wait_for(lambda: log.is_file() and "barrier 'iteration 0 engine ready'" in log.read_text(), 300,
+             "train rank 1 to reach its first barrier", interval=0.01)
+    os.kill(rank_pid(log), signal.SIGSTOP)  # hangs: alive, holding its sockets, never answering
+    t_fault = time.time()
+    attempt2 = run_dir / "logs" / "iter_00000" / "train" / "attempt_2"
+    wait_for(attempt2.is_dir, 120, "the hang to be detected and the stage retried", interval=0.1)
+    detect = time.time() - t_fault
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
+    recover = time.time() - t_fault
+    summary = job_log(tmp_path, job)
+    assert "iteration 0 train attempt 1 failed" in summary
+    assert detect < 20 + 30  # the collective timeout plus step teardown: bounded, not forever
+    same_results(run_dir, reference_run)
+    report("train rank hangs (SIGSTOP)", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_usr2_before_time_limit_requeues_and_resumes(reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job = sbatch_run(tmp_path, run_dir)
+    wait_for(lambda: (run_dir / "iter_00000/markers/score.done").is_file(), 300, "score to finish", interval=0.05)
+    before = done_markers(run_dir)
+    run(["scancel", "--signal=USR2", "--batch", job], timeout=30)  # what SLURM sends 300 s before the limit
+    t_fault = time.time()
+    wait_for(lambda: "caught USR2" in job_log(tmp_path, job), 60, "the script to catch USR2", interval=0.1)
+    detect = time.time() - t_fault
+    wait_for(lambda: (run_dir / "iter_00000/markers/save.done").is_file(), JOB_TIMEOUT_S, "the requeued job")
+    recover = time.time() - t_fault
+    wait_for(lambda: finished(job), 120, "the job")
+    after = done_markers(run_dir)
+    assert all(after[k] == v for k, v in before.items()), "a completed stage was redone"
+    assert job_log(tmp_path, job).count("(restart 1)") == 1
+    same_results(run_dir, reference_run)
+    report("USR2 before the time limit (requeue)", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_coordinator_killed_and_restarted(reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job = sbatch_run(tmp_path, run_dir)
+    train_log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00000.log"
+    wait_for(lambda: rank_pid(train_log), 300, "train to start", interval=0.05)
+    before = done_markers(run_dir)
+    run(["scancel", job], timeout=30)  # the whole job, coordinator included, goes away mid-train
+    t_fault = time.time()
+    wait_for(lambda: finished(job), 60, "the cancelled job to end")
+    status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
+    assert re.search(r"0  train\s+interrupted", status), status
+    detect = time.time() - t_fault
+    job2 = sbatch_run(tmp_path, run_dir)
+    assert wait_for(lambda: finished(job2), JOB_TIMEOUT_S, "the restarted job") == "COMPLETED"
+    recover = time.time() - t_fault
+    after = done_markers(run_dir)
+    assert all(after[k] == v for k, v in before.items()), "a completed stage was redone"
+    assert "iteration 0 gather   already done, skipping" in job_log(tmp_path, job2)
+    same_results(run_dir, reference_run)
+    no_half_files(run_dir)
+    report("coordinator killed (scancel) and restarted", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncate generate shard", "delete score shard", "alter gather output"])
+def test_damaged_outputs_are_redone(reference_run, tmp_path, damage):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run, run_dir, symlinks=True)
+    # The copy's frozen config names the reference run dir; a copy is a new run at a new path.
+    cfg = (run_dir / "config.yaml").read_text().replace(str(reference_run), str(run_dir))
+    (run_dir / "config.yaml").write_text(cfg)
+    target, stage = {
+        "truncate generate shard": ("iter_00000/generate/rank_00001.jsonl", "generate"),
+        "delete score shard": ("iter_00000/score/rank_00000.jsonl", "score"),
+        "alter gather output": ("iter_00000/gather/stats.json", "gather"),
+    }[damage]
+    path = run_dir / target
+    if damage.startswith("truncate"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage.startswith("delete"):
+        path.unlink()
+    else:
+        path.write_text(path.read_text() + " ")
+    t_fault = time.time()
+    status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
+    assert re.search(rf"0  {stage}\s+stale", status), status
+    detect = time.time() - t_fault
+    before = done_markers(run_dir)
+    job = sbatch_run(tmp_path, run_dir)
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
+    recover = time.time() - t_fault
+    log = job_log(tmp_path, job)
+    assert re.search(rf"iteration 0 {stage}\s+redoing: output {re.escape(target)}", log), log
+    upstream = STAGES[:STAGES.index(stage)]
+    for s in upstream:  # nothing before the damaged stage was touched
+        assert done_markers(run_dir)[f"iter_00000/markers/{s}.done"] == before[f"iter_00000/markers/{s}.done"]
+    same_results(run_dir, reference_run)
+    report(f"marker's output damaged ({damage})", detect, recover)
+
+
+def test_config_changed_between_run_and_resume_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    from jobs.check import resolve_paths
+    from stages.common.config import dump_config, load_config
+    cfg = load_config(ROOT / "configs" / "local_tiny.yaml", [f"run_dir={run_dir}"])
+    resolve_paths(cfg)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}",
+                           "generate.temperature=0.7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "different config (generate.temperature: 1.0 -> 0.7)" in proc.stderr
+    assert "another run_dir" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # nothing started
+    report("config changed between run and resume", time.time() - t0, None)
+
+
+@pytest.mark.slow
+def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
+    """Local: a file-size limit on the save process stands in for a full disk (EFBIG, like ENOSPC)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
+           *SMALL, "--launcher", "local"]
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+    model = run_dir / "models" / "iter_00001" / "model.safetensors"
+    published = model.read_bytes()
+    # Save iteration 1 again under a 64 KiB file-size limit: the 280 KB export cannot be written.
+    t0 = time.time()
+    limited = subprocess.run(["bash", "-c", 'ulimit -f 64 && exec "$@"', "_", sys.executable, "-m", "jobs.cli",
+                              "rerun", str(run_dir), "--iteration", "1", "--stage", "save", "--launcher", "local"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    detect = time.time() - t0
+    assert limited.returncode == 1, limited.stderr[-3000:]
+    assert "iteration 1 save attempt 2 failed" in limited.stderr
+    assert "File too large" in limited.stderr, limited.stderr[-3000:]
+    # The published model is intact and loads; nothing half-written is left beside it.
+    assert model.read_bytes() == published
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(model.parent)
+    no_half_files(run_dir)
+    status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
+    assert re.search(r"1  save\s+failed", status), status
+    # With space again, the same run command finishes it, redoing only the save.
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    recover = time.time() - t0
+    assert again.stderr.count("launching") == 1 and "iteration 1 save     launching" in again.stderr
+    AutoModelForCausalLM.from_pretrained(model.parent)
+    report("disk full while saving", detect, recover)
