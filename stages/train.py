@@ -21,7 +21,7 @@ from stages.common import dist, markers
 from stages.common.loss import ppo_clip_loss
 from stages.common.markers import read_jsonl, write_jsonl_atomic
 from stages.common.modeling import device_for, load_policy, set_cpu_threads, token_logprobs
-from stages.common.stage import StageContext, run_stage
+from stages.common.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
 
@@ -40,8 +40,10 @@ def main(ctx: StageContext) -> None:
     device = device_for(ctx.info.local_rank)
     dist.export_torch_env(ctx.info)
     t0 = time.time()
+    watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
     backend = dist.pick_backend(t.backend)
     dist.init_process_group(ctx.info, backend, t.timeout_s)
+    watchdog.beat("load model")
     _skip_cpu_inference_op(deepspeed)
     # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
@@ -59,18 +61,22 @@ def main(ctx: StageContext) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
+    watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
+    watchdog.beat("train")
     startup_s = time.time() - t0
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
 
     t1 = time.time()
-    history, tokens = run_updates(ctx, engine, ref, rows, device)
+    history, tokens = run_updates(ctx, engine, ref, rows, device, watchdog)
     train_s = time.time() - t1
     tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
+    watchdog.beat("save checkpoint")
     engine.save_checkpoint(str(ctx.paths.checkpoints), tag=tag, client_state={"iteration": ctx.iteration})
+    watchdog.beat("finish")
     save_s = time.time() - t2
     outputs = []
     if ctx.rank == 0:
@@ -88,6 +94,7 @@ def main(ctx: StageContext) -> None:
     # The checkpoint is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
+    watchdog.stop()
 
 
 def load_reference(ctx: StageContext, device):
@@ -158,7 +165,7 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
     log.info("resumed weights and optimizer state from %s", path)
 
 
-def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device) -> tuple[list[dict], int]:
+def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog) -> tuple[list[dict], int]:
     """All epochs of micro-batches; returns (per-optimizer-step history, tokens this rank trained on)."""
     t = ctx.cfg.train
     temperature = ctx.cfg.generate.temperature
@@ -180,6 +187,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device) -> tup
         engine.backward(loss)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
+        watchdog.beat()
         tokens += int(metrics["tokens"])
         step_metrics.append({"loss": loss.item(), **metrics})
         if boundary:

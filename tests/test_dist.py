@@ -38,3 +38,21 @@ def test_file_barrier_releases_all_and_names_missing(tmp_path):
     with pytest.raises(BarrierTimeout, match="ranks 1,3 did not arrive within 0s"):
         file_barrier(tmp_path, "it3.gather.attempt_2.done", 0, 4, timeout_s=0.2, poll_s=0.01)
     file_barrier(tmp_path, "it3.gather.attempt_1.done", 2, 3, timeout_s=0)  # arrivals are never deleted
+
+
+def test_progress_watchdog_ends_a_stuck_process(tmp_path):
+    import subprocess
+    import sys
+    code = ("import time, logging\n"
+            "logging.basicConfig()\n"
+            "from stages.common.dist import ProgressWatchdog\n"
+            "w = ProgressWatchdog(0.5, lambda msg: open(r'%s', 'w').write(msg))\n"
+            "for _ in range(5):\n    time.sleep(0.2)\n    w.beat('stepping')\n"
+            "w.beat('waiting for a peer')\n"
+            "time.sleep(60)\n") % (tmp_path / "record")
+    t0 = __import__("time").monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert __import__("time").monotonic() - t0 < 30
+    assert "in phase 'waiting for a peer'" in proc.stderr
+    assert "no progress for" in (tmp_path / "record").read_text()

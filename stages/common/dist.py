@@ -177,3 +177,54 @@ def file_barrier(directory, name: str, rank: int, world_size: int, timeout_s: fl
             raise BarrierTimeout(f"file barrier '{name}' in {directory}: ranks {','.join(map(str, missing))} did not "
                                  f"arrive within {timeout_s:.0f}s")
         time.sleep(poll_s)
+
+
+class ProgressWatchdog:
+    """Ends this rank when no progress is reported for `timeout_s`, so no wait is unbounded.
+
+    Process-group timeouts do not cover everything: groups that libraries create themselves (DeepSpeed's
+    data-parallel groups) get torch's 30-minute default, and a peer that is stopped rather than dead
+    never closes its sockets. The stage calls beat() at every step and phase; when beats stop, this
+    thread reports the phase it was stuck in and exits the process with status 3 (the launcher then
+    stops the peers and the coordinator retries the stage).
+    """
+
+    EXIT_CODE = 3
+
+    def __init__(self, timeout_s: float, on_timeout=None):
+        import threading
+        import time
+
+        self._time = time.monotonic
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self.phase = "start"
+        self.last = self._time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="syncrl-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, phase: str | None = None) -> None:
+        self.last = self._time()
+        if phase:
+            self.phase = phase
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        interval = min(5.0, max(0.1, self.timeout_s / 10))
+        while not self._stop.wait(interval):
+            idle = self._time() - self.last
+            if idle > self.timeout_s:
+                msg = (f"no progress for {idle:.0f}s (limit {self.timeout_s:.0f}s) in phase '{self.phase}': a peer "
+                       "rank is probably hung or dead; exiting so the stage can be retried")
+                log.error(msg)
+                if self.on_timeout:
+                    try:
+                        self.on_timeout(msg)
+                    except Exception:  # noqa: BLE001 - exiting matters more than the record
+                        log.exception("failure record not written")
+                for h in logging.getLogger().handlers:
+                    h.flush()
+                os._exit(self.EXIT_CODE)

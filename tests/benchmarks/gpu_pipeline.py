@@ -1,0 +1,279 @@
+"""Benchmark: the whole pipeline on GPUs (configs/gpu_small.yaml: the ~0.48B small-llama preset, bf16).
+
+Runs `syncrl run` for N iterations into a fresh run dir (or reports an existing one with --report-only),
+then prints, from the completion markers:
+
+- wall time of every stage in every iteration (the stage marker's duration_s) and the mean;
+- generate: model load time, new tokens/s (tokens up to and including end-of-sequence) in total and
+  per GPU, and decoded positions/s (every sequence of a generate call runs until the call's longest
+  one stops, so this counts the padding steps of sequences that had already finished);
+- train: start-up (process group, model load, deepspeed.initialize, checkpoint resume), update
+  time, tokens/s, DeepSpeed checkpoint time, and the model FLOPs utilisation
+      MFU = 6 * N * tokens / (train_s * n_gpus * peak)
+  with N the non-embedding parameters of models/base (from the safetensors header), tokens the
+  completion tokens the loss was taken over (train marker) and peak = 989e12 FLOP/s (H200/H100 SXM
+  dense bf16, datasheet). A second figure counts every position the GPUs ran (prompt, completion and
+  right padding of each micro-batch);
+- save: consolidation of the ZeRO checkpoint, HF export time, exported bytes and GB/s;
+- that every exported model loads with AutoModelForCausalLM.from_pretrained, and that training
+  changed the weights.
+
+    python tests/benchmarks/gpu_pipeline.py [--iterations 3] [--run-dir DIR] [--json OUT.json] [key=value ...]
+    python tests/benchmarks/gpu_pipeline.py --report-only --run-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+STAGES = ("generate", "score", "gather", "train", "save")
+PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--config", default="configs/gpu_small.yaml")
+    parser.add_argument("--run-dir", default=None, help="default: a fresh temporary directory")
+    parser.add_argument("--launcher", default="local", choices=("auto", "local", "srun"))
+    parser.add_argument("--report-only", action="store_true", help="do not run; report --run-dir as it is")
+    parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per GPU, for MFU")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--no-load-check", action="store_true", help="skip from_pretrained of the exports")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.report_only and not args.run_dir:
+        parser.error("--report-only needs --run-dir")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="syncrl-gpu-")) / "run"
+    wall = None
+    if not args.report_only:
+        cmd = [sys.executable, "-m", "jobs.cli", "run", args.config, f"run_dir={run_dir}",
+               f"iterations={args.iterations}", *args.overrides, "--launcher", args.launcher]
+        print("$", " ".join(cmd), flush=True)
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT)
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            print(f"run failed with exit code {proc.returncode}; see {run_dir}/logs", file=sys.stderr)
+            return proc.returncode
+    figures = report(run_dir.resolve(), args.iterations, wall, args.peak_flops)
+    if not args.no_load_check:
+        figures["load_check"] = load_check(run_dir.resolve(), args.iterations)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+# --- reading the run directory ------------------------------------------------------------------
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def rank_markers(run_dir: Path, it: int, stage: str) -> list[dict]:
+    d = run_dir / f"iter_{it:05d}" / "markers"
+    return [read_json(p) for p in sorted(d.glob(f"{stage}.rank_*.done"))]
+
+
+def safetensors_params(model_dir: Path) -> dict[str, int]:
+    """Tensor name -> element count, from the safetensors headers alone (no torch, no loading)."""
+    counts = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for s in meta["shape"]:
+                numel *= s
+            counts[name] = numel
+    return counts
+
+
+def non_embedding_params(model_dir: Path) -> tuple[int, int]:
+    counts = safetensors_params(model_dir)
+    total = sum(counts.values())
+    embed = sum(v for k, v in counts.items() if "embed_tokens" in k or "lm_head" in k)
+    return total - embed, total
+
+
+def generate_positions(run_dir: Path, it: int, cfg: dict) -> int:
+    """Positions the decoder ran: per generate call, its sequences x its longest completion."""
+    g = cfg["generate"]
+    per_call_rows = max(1, g["batch_size"] // g["attempts"]) * g["attempts"]
+    total = 0
+    for shard in sorted((run_dir / f"iter_{it:05d}" / "generate").glob("rank_*.jsonl")):
+        lengths = [len(json.loads(line)["completion_ids"]) for line in shard.open()]
+        for i in range(0, len(lengths), per_call_rows):
+            call = lengths[i:i + per_call_rows]
+            total += len(call) * max(call)
+    return total
+
+
+def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None:
+    """Positions the training forward/backward ran, right padding included (train's own batching)."""
+    try:
+        from stages.train import rank_micro_batches
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in (run_dir / f"iter_{it:05d}" / "gather" / "train.jsonl").open()]
+    t = SimpleNamespace(**cfg["train"])
+    total = 0
+    for rank in range(world):
+        ctx = SimpleNamespace(cfg=SimpleNamespace(train=t, seed=cfg["seed"]), iteration=it, rank=rank,
+                              world_size=world)
+        for micro in rank_micro_batches(rows, ctx, t.micro_batch_size * t.gradient_accumulation_steps * world):
+            real = [r for r in micro if r is not None]
+            if real:
+                total += len(real) * max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real)
+    return total
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+def fmean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> dict:
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    n_params, n_total = non_embedding_params(run_dir / "models" / "base")
+    per_it = []
+    for it in range(iterations):
+        m = {s: read_json(run_dir / f"iter_{it:05d}" / "markers" / f"{s}.done") for s in STAGES}
+        gen = rank_markers(run_dir, it, "generate")
+        train = rank_markers(run_dir, it, "train")
+        world = len(train)
+        gen_tokens = sum(r["new_tokens"] for r in gen)
+        gen_s = max(r["generate_s"] for r in gen)
+        gen_pos = generate_positions(run_dir, it, cfg)
+        tr = train[0]
+        train_s = max(r["train_s"] for r in train)
+        tokens = tr["tokens"]  # all ranks (all-reduced)
+        positions = train_positions(run_dir, it, cfg, world)
+        flops = 6 * n_params * tokens
+        stats = read_json(run_dir / f"iter_{it:05d}" / "gather" / "stats.json")
+        per_it.append({
+            "iteration": it,
+            "wall_s": {s: m[s]["duration_s"] for s in STAGES},
+            "generate": {
+                "ranks": len(gen), "rows": sum(r["rows"] for r in gen), "new_tokens": gen_tokens,
+                "load_s": max(r["load_s"] for r in gen), "generate_s": gen_s,
+                "tokens_per_s": gen_tokens / gen_s, "tokens_per_s_per_gpu": fmean(r["tokens_per_s"] for r in gen),
+                "positions": gen_pos, "positions_per_s_per_gpu": gen_pos / gen_s / len(gen),
+            },
+            "train": {
+                "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
+                "startup_s": max(r["startup_s"] for r in train), "train_s": train_s,
+                "checkpoint_s": max(r["checkpoint_s"] for r in train),
+                "tokens_per_s": tokens / train_s,
+                "mfu": flops / (train_s * world * peak),
+                "mfu_positions": (6 * n_params * positions / (train_s * world * peak)) if positions else None,
+            },
+            "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
+                    | {"export_gb_per_s": m["save"]["bytes"] / 1e9 / m["save"]["export_s"]},
+            "reward_mean": stats.get("reward_mean"),
+        })
+
+    print(f"\nrun dir: {run_dir}")
+    print(f"model: models/base, {n_params / 1e6:.1f}M non-embedding parameters ({n_total / 1e6:.1f}M in all); "
+          f"{per_it[0]['train']['ranks']} GPU(s)")
+    print("\nwall time per stage (s; the stage marker's duration_s, process start-up included)")
+    print(f"{'iter':>4}  " + "  ".join(f"{s:>8}" for s in STAGES) + f"  {'total':>8}")
+    for r in per_it:
+        w = r["wall_s"]
+        print(f"{r['iteration']:>4}  " + "  ".join(f"{w[s]:8.1f}" for s in STAGES) + f"  {sum(w.values()):8.1f}")
+    means = {s: fmean(r["wall_s"][s] for r in per_it) for s in STAGES}
+    print(f"{'mean':>4}  " + "  ".join(f"{means[s]:8.1f}" for s in STAGES) + f"  {sum(means.values()):8.1f}")
+
+    def col(section, key, fmt):
+        vals = [r[section][key] for r in per_it]
+        mean_fmt = fmt.replace("d}", ".0f}")
+        return "  ".join(fmt.format(v) if v is not None else f"{'-':>9}" for v in vals) + \
+            "   | mean " + (mean_fmt.format(fmean(vals)) if any(v is not None for v in vals) else "-")
+
+    print("\ngenerate (per iteration, then mean)")
+    print("  sequences            ", col("generate", "rows", "{:>9d}"))
+    print("  new tokens           ", col("generate", "new_tokens", "{:>9d}"))
+    print("  model load s         ", col("generate", "load_s", "{:>9.1f}"))
+    print("  sampling s           ", col("generate", "generate_s", "{:>9.1f}"))
+    print("  new tok/s, total     ", col("generate", "tokens_per_s", "{:>9.0f}"))
+    print("  new tok/s, per GPU   ", col("generate", "tokens_per_s_per_gpu", "{:>9.0f}"))
+    print("  decoded pos/s per GPU", col("generate", "positions_per_s_per_gpu", "{:>9.0f}"))
+    print("\ntrain")
+    print("  optimizer steps      ", col("train", "steps", "{:>9d}"))
+    print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))
+    print("  positions (padded)   ", col("train", "positions", "{:>9d}"))
+    print("  startup s            ", col("train", "startup_s", "{:>9.1f}"))
+    print("  update s             ", col("train", "train_s", "{:>9.1f}"))
+    print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
+    print("  tokens/s (all GPUs)  ", col("train", "tokens_per_s", "{:>9.0f}"))
+    print("  MFU, loss tokens     ", col("train", "mfu", "{:>9.2%}"))
+    print("  MFU, all positions   ", col("train", "mfu_positions", "{:>9.2%}"))
+    print(f"  MFU = 6 * N * tokens / (train_s * n_gpus * peak), N = {n_params:,} non-embedding parameters, "
+          f"peak = {peak:.3g} FLOP/s per GPU; attention-score FLOPs not counted")
+    print("\nsave")
+    print("  consolidate s        ", col("save", "consolidate_s", "{:>9.1f}"))
+    print("  export s             ", col("save", "export_s", "{:>9.1f}"))
+    print("  exported GB          ", "  ".join(f"{r['save']['bytes'] / 1e9:>9.2f}" for r in per_it))
+    print("  export GB/s          ", col("save", "export_gb_per_s", "{:>9.2f}"))
+    print("\nreward mean          ", "  ".join(f"{r['reward_mean']:>9.3f}" for r in per_it))
+    stage_total = sum(sum(r["wall_s"].values()) for r in per_it)
+    if wall is not None:
+        print(f"\nwhole run {wall:.1f}s: stages {stage_total:.1f}s, coordinator and base-model creation "
+              f"{wall - stage_total:.1f}s")
+    return {"run_dir": str(run_dir), "non_embedding_params": n_params, "params": n_total, "peak_flops": peak,
+            "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
+
+
+def load_check(run_dir: Path, iterations: int) -> dict:
+    """Every export loads with from_pretrained; each differs from the one before it (training moved it).
+
+    The first export also differs from models/base by bf16 rounding (training ran in bf16), so the
+    step that shows training is export I against export I - 1.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    out = {}
+    prev_name = "base"
+    prev = AutoModelForCausalLM.from_pretrained(run_dir / "models" / "base", dtype=torch.float32).state_dict()
+    for it in range(iterations):
+        path = run_dir / "models" / f"iter_{it:05d}"
+        t0 = time.time()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        load_s = time.time() - t0
+        sd = model.state_dict()
+        changed = sum(1 for k, v in sd.items() if k in prev and not torch.equal(v, prev[k]))
+        max_diff = max(float((v - prev[k]).abs().max()) for k, v in sd.items() if k in prev)
+        out[path.name] = {"load_s": load_s, "params": sum(p.numel() for p in model.parameters()),
+                          "dtype": str(next(model.parameters()).dtype), "compared_with": prev_name,
+                          "tensors_changed": changed, "tensors": len(sd), "max_abs_diff": max_diff}
+        print(f"from_pretrained {path}: {load_s:.1f}s, {out[path.name]['params'] / 1e6:.1f}M parameters; "
+              f"{changed}/{len(sd)} tensors differ from {prev_name} (max |diff| {max_diff:.2e})")
+        prev, prev_name = sd, path.name
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
