@@ -57,7 +57,8 @@ def report(run_dir: Path, iterations: int, wall: float) -> None:
     first, last = rows[0], rows[-1]
     print(f"\nfirst iteration: reward {first[1]:.3f}, accuracy {first[2]:.3f}")
     print(f"last iteration:  reward {last[1]:.3f}, accuracy {last[2]:.3f}")
-    print(f"reward ratio last/first: {last[1] / max(first[1], 1e-9):.2f}x\n")
+    print(f"change over the run: reward {last[1] - first[1]:+.3f}, accuracy {last[2] - first[2]:+.3f} "
+          f"({last[2] / max(first[2], 1e-9):.1f}x)\n")
     print("wall time per stage (mean over iterations, seconds):")
     stage_total = 0.0
     for s in STAGES:
