@@ -39,6 +39,7 @@ def main(ctx: StageContext) -> None:
     rows = read_train_set(ctx)
     device = device_for(ctx.info.local_rank)
     dist.export_torch_env(ctx.info)
+    dist.communication_env(ctx.attempt, t.socket_ifname)
     t0 = time.time()
     watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
     backend = dist.pick_backend(t.backend)

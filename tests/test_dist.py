@@ -56,3 +56,14 @@ def test_progress_watchdog_ends_a_stuck_process(tmp_path):
     assert __import__("time").monotonic() - t0 < 30
     assert "in phase 'waiting for a peer'" in proc.stderr
     assert "no progress for" in (tmp_path / "record").read_text()
+
+
+def test_communication_env_respects_the_user_and_turns_on_debug_for_retries():
+    from stages.common.dist import communication_env
+    env = {"NCCL_DEBUG": "TRACE"}
+    changed = communication_env(1, env=env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["NCCL_DEBUG"] == "TRACE"
+    assert "NCCL_DEBUG" not in changed
+    env = {}
+    communication_env(2, "ib0", env=env)
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ib0"

@@ -92,6 +92,12 @@ def test_sbatch_two_nodes_with_retry_tail_and_rerun(slurm_cluster, tmp_path):
     victim_log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
     pid = wait_for(lambda: rank_pid(victim_log), 300, "train rank 1 to start", interval=0.05)
     os.kill(pid, signal.SIGKILL)
+    t_fault = time.time()
+    wait_for((run_dir / "logs" / "iter_00000" / "train" / "attempt_2").is_dir, 120, "the retry", interval=0.05)
+    detect = time.time() - t_fault
+    wait_for((run_dir / "iter_00000" / "markers" / "train.done").is_file, 300, "train to finish", interval=0.05)
+    print(f"\nFAULT kill -9 one train rank: time-to-detect {detect:.1f}s, "
+          f"time-to-recover {time.time() - t_fault:.1f}s")
 
     # Follow iteration 1's train step while it runs.
     train1 = run_dir / "logs" / "iter_00001" / "train" / "attempt_1"

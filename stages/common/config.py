@@ -112,7 +112,8 @@ class TrainConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # off by default, as in the original 70B runs
     max_grad_norm: float = 1.0
-    timeout_s: int = 600  # process-group init and collectives
+    timeout_s: int = 600  # process-group init, collectives, and the no-progress watchdog
+    socket_ifname: str = ""  # network interface for NCCL and gloo traffic, e.g. "ib0" or "eth0"
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)

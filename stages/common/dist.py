@@ -104,6 +104,35 @@ def pick_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def communication_env(attempt: int, socket_ifname: str = "", env: dict | None = None) -> dict:
+    """The NCCL/gloo settings a training step runs with; a value the user exported wins, except the
+    interface named in the config (the config is the more specific instruction).
+
+    Returns what was set, for the log.
+    """
+    env = os.environ if env is None else env
+    defaults = {
+        # A rank that dies or times out must fail its peers' collectives, not hang them.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        # Tracebacks of the collective in flight when the watchdog fires.
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        # A retry is when NCCL's own account of what went wrong is worth its log volume.
+        "NCCL_DEBUG": "INFO" if attempt > 1 else "WARN",
+    }
+    changed = {}
+    for key, value in defaults.items():
+        if key not in env:
+            env[key] = changed[key] = value
+    if socket_ifname:
+        for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            if env.get(key) not in (None, socket_ifname):
+                log.warning("overriding %s=%s with %s from train.socket_ifname", key, env[key], socket_ifname)
+            env[key] = changed[key] = socket_ifname
+    for key, value in changed.items():
+        log.info("environment: %s=%s", key, value)
+    return changed
+
+
 def export_torch_env(info: DistInfo) -> None:
     """Set the torchrun variable names from `info`, for libraries (DeepSpeed) that read only those.
 
