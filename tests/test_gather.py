@@ -33,8 +33,13 @@ def add_score_shard(cfg, paths, rank, rewards):
 
 
 def gather(paths):
-    return subprocess.run([sys.executable, "-m", "stages.gather", "--run-dir", str(paths.root), "--iteration", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # -X importtime: the whole run, exit included, must stay torch-free (checked below).
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "stages.gather", "--run-dir", str(paths.root),
+                           "--iteration", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "transformers", "deepspeed"}, "gather imported a heavy library"
+    proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    return proc
 
 
 def test_gather_merges_all_ranks(tmp_path):

@@ -78,20 +78,29 @@ def init_process_group(info: DistInfo, backend: str, timeout_s: int) -> None:
         return
     log.info("joining process group: backend=%s world=%d master=%s:%d timeout=%ds",
              backend, info.world_size, info.master_addr, info.master_port, timeout_s)
+    kwargs = {}
+    if backend == "nccl":
+        import torch
+
+        # Binds the communicator to this rank's GPU up front instead of NCCL guessing it from the rank.
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     tdist.init_process_group(
         backend=backend,
         init_method=f"tcp://{info.master_addr}:{info.master_port}",
         rank=info.rank,
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
     )
 
 
 def destroy_process_group() -> None:
-    try:
-        import torch.distributed as tdist
-    except ImportError:
-        return
+    import sys
+
+    if "torch" not in sys.modules:
+        return  # torch-free stages (score, gather) never made a group; importing torch here costs seconds
+    import torch.distributed as tdist
+
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
