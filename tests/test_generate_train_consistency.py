@@ -40,10 +40,10 @@ def test_sampling_is_deterministic_per_seed(policy):
     assert all(r["prompt_id"] == "0-1" for r in a[4:8])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_train_recomputes_the_sampling_logprobs(policy, temperature):
+@pytest.mark.parametrize("temperature,cache", [(1.0, "dynamic"), (0.7, "dynamic"), (1.0, "static")])
+def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache):
     model, tok = policy
-    g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature)
+    g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache)
     rows = sample(policy, 1, g)
     for r in rows:
         r["advantage"] = 1.0

@@ -65,6 +65,9 @@ class GenerateConfig:
     top_p: float = 1.0
     batch_size: int = 64  # prompts x attempts sequences per generate call
     backend: str = "hf"
+    # KV cache of HF generate: "static" preallocates it at full length, so every decode step has the
+    # same shapes (no per-step allocation); "dynamic" grows it step by step.
+    cache: str = "dynamic"
 
     def __post_init__(self):
         _positive("generate.attempts", self.attempts)
@@ -75,6 +78,7 @@ class GenerateConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
         _choice("generate.backend", self.backend, ("hf",))
+        _choice("generate.cache", self.cache, ("dynamic", "static"))
 
 
 @dataclass
