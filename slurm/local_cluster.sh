@@ -7,6 +7,8 @@
 #   bash slurm/local_cluster.sh start    # install slurm+munge if missing, start everything, wait for idle nodes
 #   bash slurm/local_cluster.sh status   # daemons + sinfo; exit 0 when the cluster is usable, 1 when not
 #   bash slurm/local_cluster.sh stop     # cancel all jobs, stop what `start` started, restore /etc/slurm
+#   bash slurm/local_cluster.sh fail-node n2     # fault injection: n2's slurmd and all its processes die
+#   bash slurm/local_cluster.sh revive-node n2   # start n2's slurmd again; it rejoins the cluster
 # then use the ordinary client commands (sinfo, srun, sbatch, scancel, scontrol): /etc/slurm/slurm.conf
 # is a symlink to the generated config while the cluster is up, so no extra environment is needed.
 #
@@ -293,6 +295,9 @@ KillWait=5
 # Finished jobs stay visible to scontrol for this long (there is no accounting database).
 MinJobAge=300
 InactiveLimit=0
+# A node whose slurmd stops answering is declared DOWN after this long (default 300 s); its jobs end
+# with NODE_FAIL and requeue. Short here so node-loss tests finish in a minute.
+SlurmdTimeout=30
 NodeName=n1 NodeHostname=n1 NodeAddr=${NODE_ADDR[n1]} Port=${NODE_PORT[n1]} CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 NodeName=n2 NodeHostname=n2 NodeAddr=${NODE_ADDR[n2]} Port=${NODE_PORT[n2]} CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=$PARTITION Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
@@ -491,6 +496,39 @@ cmd_stop() {
     log "stopped"
 }
 
+# ---------------------------------------------------------------- node loss (fault injection)
+
+# What losing a machine looks like to SLURM and to the job: the node's slurmd and every process in
+# its namespace (slurmstepd, the job's tasks) vanish at once, with no chance to clean up.
+cmd_fail_node() {
+    local n=${1:-} pid ns members
+    [[ " ${NODES[*]} " == *" $n "* ]] || die "fail-node needs a node name: ${NODES[*]}"
+    pid=$(recorded_pid "slurmd-$n") || die "slurmd $n is not running"
+    ns=$(recorded_extra "slurmd-$n")
+    members=$(uts_members "$ns" "$n" | tr '\n' ' ')
+    log "node $n lost: SIGKILL to slurmd (pid $pid) and its processes: $members"
+    # shellcheck disable=SC2086  # word splitting wanted: one pid per word
+    kill -KILL $members 2>/dev/null || true
+    wait_gone 10 $members || true
+    rm -f "$PIDS/slurmd-$n"
+}
+
+# Bring a failed node back: a fresh slurmd in a fresh namespace; ReturnToService=2 lets it rejoin.
+cmd_revive_node() {
+    local n=${1:-} deadline
+    [[ " ${NODES[*]} " == *" $n "* ]] || die "revive-node needs a node name: ${NODES[*]}"
+    recorded_pid "slurmd-$n" >/dev/null && { log "slurmd $n already running"; return 0; }
+    launch "$LOGS/slurmd-$n.out" unshare --uts sh -c 'hostname "$1" && exec /usr/sbin/slurmd -D -N "$1" -f "$2"' sh "$n" "$CONF"
+    await_exec "$LAUNCHED" slurmd "$LOGS/slurmd-$n.out"
+    record "slurmd-$n" "$LAUNCHED" "$(readlink "/proc/$LAUNCHED/ns/uts")"
+    deadline=$((SECONDS + START_TIMEOUT))
+    until timeout 10 sinfo -h -N -n "$n" -o '%t' 2>/dev/null | grep -Eq '^(idle|mix|alloc|comp)$'; do
+        ((SECONDS < deadline)) || die "node $n not back after ${START_TIMEOUT}s; see $LOGS/slurmd-$n.log"
+        sleep 0.2
+    done
+    log "node $n is back"
+}
+
 # ---------------------------------------------------------------- status
 
 cmd_status() {
@@ -526,8 +564,10 @@ case "${1:-}" in
 start) cmd_start ;;
 stop) [[ $(id -u) -eq 0 ]] || die "must run as root"; cmd_stop ;;
 status) cmd_status ;;
+fail-node) cmd_fail_node "${2:-}" ;;
+revive-node) cmd_revive_node "${2:-}" ;;
 *)
-    echo "usage: $0 start|stop|status   (see the header of this script)" >&2
+    echo "usage: $0 start|stop|status|fail-node NODE|revive-node NODE   (see the header of this script)" >&2
     exit 2
     ;;
 esac

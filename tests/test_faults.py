@@ -269,3 +269,34 @@ def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
     assert again.stderr.count("launching") == 1 and "iteration 1 save     launching" in again.stderr
     AutoModelForCausalLM.from_pretrained(model.parent)
     report("disk full while saving", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_node_lost_during_a_step(reference_run, tmp_path):
+    """n2's slurmd and every process on it die mid-train; the job ends NODE_FAIL, requeues, waits for
+    the node, and resumes at train once n2 is back."""
+    run_dir = tmp_path / "run"
+    job = sbatch_run(tmp_path, run_dir)
+    log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
+    wait_for(lambda: rank_pid(log), 300, "train rank 1 (on n2) to start", interval=0.05)
+    before = done_markers(run_dir)
+    cluster = ["bash", str(ROOT / "slurm" / "local_cluster.sh")]
+    try:
+        run([*cluster, "fail-node", "n2"], timeout=60)
+        t_fault = time.time()
+        # SLURM declares n2 down after SlurmdTimeout and requeues the job (or the coordinator stops it).
+        wait_for(lambda: job_state(job) in ("PENDING", "REQUEUED", "REQUEUE_FED", "FAILED", "NODE_FAIL"), 180,
+                 "the job to notice the lost node", interval=0.5)
+        detect = time.time() - t_fault
+    finally:
+        run([*cluster, "revive-node", "n2"], timeout=120)
+    if job_state(job) in ("FAILED", "NODE_FAIL"):
+        job = sbatch_run(tmp_path, run_dir)  # the job could not requeue itself: submit it again
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to finish") == "COMPLETED", job_log(tmp_path, job)
+    recover = time.time() - t_fault
+    after = done_markers(run_dir)
+    assert all(after[k] == v for k, v in before.items()), "a completed stage was redone"
+    same_results(run_dir, reference_run)
+    no_half_files(run_dir)
+    report("node lost (slurmd and tasks of n2 killed)", detect, recover)
