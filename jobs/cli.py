@@ -61,6 +61,11 @@ def main(argv=None) -> int:
     p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto")
     p.set_defaults(func=cmd_rerun)
 
+    p = sub.add_parser("report", help="reward/accuracy and stage-time plots (PNG) plus a Markdown summary")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="directory for report.png and report.md (default: the run dir)")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser("init-model", help="write a built-in tiny base model (HF format) to a directory")
     p.add_argument("out_dir")
     p.add_argument("--preset", default="tiny-llama")
@@ -166,6 +171,14 @@ def cmd_status(args) -> int:
     from jobs.status import format_table, stage_states
 
     print(format_table(stage_states(args.run_dir)))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from jobs.report import write_report
+
+    png, md = write_report(args.run_dir, args.out)
+    print(f"wrote {png} and {md}")
     return 0
 
 

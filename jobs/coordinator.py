@@ -18,6 +18,7 @@ import time
 import filelock
 
 from jobs.check import resolve_paths
+from jobs.metrics import MetricsLog
 from stages.common import markers
 from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, dump_config, load_config, to_dict
 from stages.common import retry as policies
@@ -62,6 +63,7 @@ class Coordinator:
         self.launcher = launcher
         self.paths = RunPaths(cfg.run_dir)
         self.chash = config_hash(cfg)
+        self.metrics = MetricsLog(cfg)
 
     def run(self) -> None:
         with self._locked():
@@ -85,6 +87,7 @@ class Coordinator:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self.metrics.close()
             lock.release()
 
     def rerun(self, it: int, stage: str) -> None:
@@ -179,12 +182,15 @@ class Coordinator:
         summary = {k: v for k, v in ranks[0].items() if k not in
                    ("outputs", "prunable", "stage", "iteration", "rank", "host", "attempt", "start", "end",
                     "config_hash", "inputs")}
-        markers.write_marker(
+        # Peak memory of the stage is the worst rank's.
+        memory = {k: max(m.get("memory", {}).get(k, 0) for m in ranks) for k in ranks[0].get("memory", {})}
+        marker = markers.write_marker(
             self.paths, it, stage, None, attempt=attempt, start=start, config_hash=self.chash, inputs=inputs,
-            outputs=outputs, extra={**summary, "world_size": n, "attempts": attempt,
+            outputs=outputs, extra={**summary, "memory": memory, "world_size": n, "attempts": attempt,
                                     "hosts": sorted({m["host"] for m in ranks}), "prunable": sorted(set(prunable)),
                                     "duration_s": time.time() - start})
         (self.paths.markers(it) / f"{stage}.state.json").unlink(missing_ok=True)
+        self.metrics.stage_done(it, stage, marker)
 
     def _write_state(self, it: int, stage: str, state: str, attempt: int, failed_ranks=(), hosts=None) -> None:
         markers.write_json_atomic(self.paths.markers(it) / f"{stage}.state.json", {

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from stages.common.data import iteration_prompts, load_problems, shard
 from stages.common.markers import write_jsonl_atomic
+from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, load_tokenizer, set_cpu_threads, token_logprobs
 from stages.common.stage import StageContext, run_stage
 
@@ -49,6 +50,7 @@ def main(ctx: StageContext) -> None:
         new_tokens += sum(len(r["completion_ids"]) for r in batch_rows)
         rows += batch_rows
         bar.update(len(batch))
+        release_cached_memory()
     bar.close()
     gen_s = time.time() - t1
     for r in rows:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from stages.common import dist, markers
 from stages.common.loss import ppo_clip_loss
 from stages.common.markers import read_jsonl, write_jsonl_atomic
+from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, set_cpu_threads, token_logprobs
 from stages.common.stage import StageContext, run_stage, write_failure_record
 
@@ -76,6 +77,7 @@ def main(ctx: StageContext) -> None:
     tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
     watchdog.beat("save checkpoint")
+    release_cached_memory()
     engine.save_checkpoint(str(ctx.paths.checkpoints), tag=tag, client_state={"iteration": ctx.iteration})
     watchdog.beat("finish")
     save_s = time.time() - t2
@@ -88,7 +90,8 @@ def main(ctx: StageContext) -> None:
     summary = {
         "steps": len(history), "tokens": all_tokens, "startup_s": startup_s, "train_s": train_s,
         "checkpoint_s": save_s, "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
-        "loss_mean": sum(h["loss"] for h in history) / max(len(history), 1),
+        **_history_means(history),
+        **_mfu(engine, all_tokens, train_s, ctx.world_size),
     }
     log.info("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
              summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
@@ -249,6 +252,37 @@ def _step_record(engine, step_metrics: list[dict]) -> dict:
     rec["grad_norm"] = float(grad_norm) if grad_norm is not None else None
     rec["lr"] = engine.get_lr()[0] if engine.get_lr() else None
     return rec
+
+
+def _history_means(history: list[dict]) -> dict:
+    """Means over this iteration's optimizer steps, and the last learning rate."""
+    out = {}
+    for key in ("loss", "kl", "clip_frac", "ratio_mean", "grad_norm"):
+        values = [h[key] for h in history if h.get(key) is not None]
+        if values:
+            out[f"{key}_mean"] = sum(values) / len(values)
+    if history and history[-1].get("lr") is not None:
+        out["lr"] = history[-1]["lr"]
+    return out
+
+
+# Dense bf16 peak FLOP/s per GPU (datasheets), by device-name fragment.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def _mfu(engine, tokens: int, seconds: float, world: int) -> dict:
+    """Model FLOPs utilisation: 6 x non-embedding parameters x tokens / (seconds x GPUs x peak)."""
+    if not torch.cuda.is_available() or seconds <= 0:
+        return {}
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    if peak is None:
+        return {}
+    module = engine.module
+    embed = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                for p in module.get_input_embeddings().parameters())
+    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters()) - embed
+    return {"mfu": 6 * params * tokens / (seconds * world * peak)}
 
 
 def _all_reduce_sum(value: int, device) -> int:

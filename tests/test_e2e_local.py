@@ -58,6 +58,36 @@ def test_two_iterations_then_everything_skipped(tmp_path):
 
     status = syncrl("status", str(run))
     assert status.returncode == 0 and "10/10 stages done" in status.stdout
+    check_observability(run)
+
+
+# What every iteration must report (metrics.jsonl and W&B), whatever the stage that measured it.
+EXPECTED_METRICS = [
+    "rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollout/zero_variance_groups",
+    "rollout/length_mean", "rollout/length_max", "rollout/truncated", "train/loss_mean", "train/grad_norm_mean",
+    "train/lr", "generate/tokens_per_s", "train/tokens_per_s", "train/startup_s",
+    *[f"{s}/duration_s" for s in STAGES], *[f"{s}/retries" for s in STAGES],
+    *[f"{s}/memory/host_rss_peak_gib" for s in STAGES],
+]
+
+
+def check_observability(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for it in (0, 1):
+        merged = {k: v for r in rows if r["iteration"] == it for k, v in r.items()}
+        missing = [k for k in EXPECTED_METRICS if k not in merged]
+        assert not missing, (it, missing)
+    # One W&B run for the RL run (offline here: no API key), resumed rather than duplicated.
+    run_id = (run / "wandb_run_id").read_text().strip()
+    offline = sorted((run / "wandb").glob("offline-run-*"))
+    assert offline and all(p.name.endswith(run_id) for p in offline), offline
+    logged = b"".join(p.read_bytes() for d in offline for p in d.glob("run-*.wandb"))
+    for key in ("rollout/accuracy", "train/loss_mean", "generate/tokens_per_s", "save/duration_s"):
+        assert key.encode() in logged, key
+    report = syncrl("report", str(run))
+    assert report.returncode == 0, report.stderr
+    assert (run / "report.png").stat().st_size > 10_000
+    assert "| 1 |" in (run / "report.md").read_text()
 
 
 def test_killed_during_train_resumes_without_redoing_completed_stages(tmp_path):

@@ -183,6 +183,19 @@ class SlurmConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = True  # also off when the wandb package is missing; metrics.jsonl is always written
+    project: str = "syncrl"
+    entity: str = ""
+    # auto: WANDB_MODE if set, else online when WANDB_API_KEY is set, else offline (sync later with
+    # `wandb sync RUN_DIR/wandb`).
+    mode: str = "auto"
+
+    def __post_init__(self):
+        _choice("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
+
+
+@dataclass
 class RunConfig:
     run_dir: str = "runs/default"
     iterations: int = 1
@@ -197,6 +210,7 @@ class RunConfig:
     save: SaveConfig = field(default_factory=SaveConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self):
         _positive("iterations", self.iterations)
@@ -206,7 +220,7 @@ class RunConfig:
 
 
 # Keys that change how a run is executed but not what it computes: changing them on resume is fine.
-NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm")
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:

@@ -20,6 +20,7 @@ from stages.common import markers
 from stages.common.config import ConfigError, RunConfig, config_hash, load_config
 from stages.common.dist import DistInfo, destroy_process_group, dist_info
 from stages.common.logs import recent_lines, setup_logging
+from stages.common.memory import memory_report
 from stages.common.paths import RunPaths
 
 log = logging.getLogger("syncrl.stage")
@@ -67,11 +68,14 @@ class StageContext:
         return markers.marker_problem(self.paths, m, self.config_hash, self.inputs) is None
 
     def write_marker(self, outputs: list[Path], extra: dict | None = None) -> dict:
-        """Per-rank marker: call after every output listed has been published."""
+        """Per-rank marker: call after every output listed has been published. Records peak memory."""
+        memory = memory_report()
+        log.info("peak memory: %s", ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in memory.items()))
         return markers.write_marker(
             self.paths, self.iteration, self.stage, self.rank, attempt=self.attempt, start=self.start,
             config_hash=self.config_hash, inputs=self.inputs,
-            outputs=markers.outputs_record(outputs, self.paths.root), extra=extra)
+            outputs=markers.outputs_record(outputs, self.paths.root), extra={**(extra or {}), "memory": memory})
 
 
 def base_model_id(cfg: RunConfig) -> str:
