@@ -190,6 +190,7 @@ class Coordinator:
                                     "hosts": sorted({m["host"] for m in ranks}), "prunable": sorted(set(prunable)),
                                     "duration_s": time.time() - start})
         (self.paths.markers(it) / f"{stage}.state.json").unlink(missing_ok=True)
+        log.info("iteration %d %-8s done in %.1fs: %s", it, stage, marker["duration_s"], marker.get("summary", ""))
         self.metrics.stage_done(it, stage, marker)
 
     def _write_state(self, it: int, stage: str, state: str, attempt: int, failed_ranks=(), hosts=None) -> None:

@@ -38,8 +38,8 @@ def main(ctx: StageContext) -> None:
     out = ctx.out_dir / "train.jsonl"
     write_jsonl_atomic(out, ({k: r[k] for k in TRAIN_FIELDS} for r in kept))
     write_json_atomic(ctx.out_dir / "stats.json", stats)
-    log.info("iteration %d: %d completions from %d ranks, reward %.3f, accuracy %.3f, %d rows to train",
-             ctx.iteration, len(rows), world, stats["reward_mean"], stats["accuracy"], len(kept))
+    ctx.summarize("iteration %d: %d completions from %d ranks, reward %.3f, accuracy %.3f, %d rows to train",
+                  ctx.iteration, len(rows), world, stats["reward_mean"], stats["accuracy"], len(kept))
     ctx.write_marker([out, ctx.out_dir / "stats.json"], extra={"rows": len(kept), "stats": stats})
 
 

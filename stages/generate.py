@@ -13,9 +13,9 @@ import logging
 import time
 
 import torch
-from tqdm import tqdm
 
 from stages.common.data import iteration_prompts, load_problems, shard
+from stages.common.logs import Progress
 from stages.common.markers import write_jsonl_atomic
 from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, load_tokenizer, set_cpu_threads, token_logprobs
@@ -43,7 +43,7 @@ def main(ctx: StageContext) -> None:
     per_call = max(1, g.batch_size // g.attempts)
     rows, new_tokens = [], 0
     t1 = time.time()
-    bar = tqdm(total=len(items), desc=f"generate it{ctx.iteration}", disable=ctx.rank != 0, mininterval=5)
+    bar = Progress(len(items), f"generate iteration {ctx.iteration}: prompts", ctx.rank)
     for start in range(0, len(items), per_call):
         batch = items[start:start + per_call]
         batch_rows = sample_batch(model, tokenizer, batch, g, device)
@@ -58,8 +58,8 @@ def main(ctx: StageContext) -> None:
     out = ctx.paths.shard(ctx.iteration, "generate", ctx.rank)
     n = write_jsonl_atomic(out, rows)
     tps = new_tokens / gen_s if gen_s > 0 else 0.0
-    log.info("wrote %d completions for %d prompts (%d new tokens, %.0f tok/s) to %s",
-             n, len(items), new_tokens, tps, out)
+    ctx.summarize("wrote %d completions for %d prompts (%d new tokens, %.0f tok/s) to %s",
+                  n, len(items), new_tokens, tps, out)
     ctx.write_marker([out], extra={"rows": n, "new_tokens": new_tokens, "tokens_per_s": tps,
                                    "load_s": load_s, "generate_s": gen_s})
 

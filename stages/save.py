@@ -47,8 +47,8 @@ def main(ctx: StageContext) -> None:
         raise
     publish(tmp, target)
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
-    log.info("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,
-             consolidate_s, export_s, size / 1e9 / max(export_s, 1e-9))
+    ctx.summarize("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,
+                  consolidate_s, export_s, size / 1e9 / max(export_s, 1e-9))
     pruned = prune(ctx)
     ctx.write_marker([target], extra={"bytes": size, "consolidate_s": consolidate_s, "export_s": export_s,
                                        "pruned": pruned, "prunable": [f"models/{target.name}/"]})

@@ -31,8 +31,8 @@ def main(ctx: StageContext) -> None:
     out = ctx.paths.shard(ctx.iteration, "score", ctx.rank)
     n = write_jsonl_atomic(out, rows)
     correct = sum(r["correct"] for r in rows)
-    log.info("scored %d completions: %d correct, mean reward %.3f", n, correct,
-             sum(r["reward"] for r in rows) / max(n, 1))
+    ctx.summarize("scored %d completions: %d correct, mean reward %.3f", n, correct,
+                  sum(r["reward"] for r in rows) / max(n, 1))
     ctx.write_marker([out], extra={"rows": n, "correct": correct})
 
 

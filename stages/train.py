@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from stages.common import dist, markers
 from stages.common.loss import ppo_clip_loss
+from stages.common.logs import Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
 from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, set_cpu_threads, token_logprobs
@@ -93,8 +93,8 @@ def main(ctx: StageContext) -> None:
         **_history_means(history),
         **_mfu(engine, all_tokens, train_s, ctx.world_size),
     }
-    log.info("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
-             summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
+    ctx.summarize("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
+                  summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
     # The checkpoint is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
@@ -176,7 +176,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     history, tokens, step_metrics = [], 0, []
     batches = rank_micro_batches(rows, ctx, t.micro_batch_size * t.gradient_accumulation_steps * ctx.world_size)
     engine.train()
-    bar = tqdm(total=len(batches), desc=f"train it{ctx.iteration}", disable=ctx.rank != 0, mininterval=5)
+    bar = Progress(len(batches), f"train iteration {ctx.iteration}: micro-batches", ctx.rank)
     for micro in batches:
         batch = collate(micro, device)
         logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -105,7 +105,8 @@ def test_killed_during_train_resumes_without_redoing_completed_stages(tmp_path):
     coord.send_signal(signal.SIGKILL)  # no chance to clean up: ranks must still go down with it
     coord.wait(30)
 
-    done_before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in (run / "iter_00000" / "markers").glob("*.done")}
+    done_before = {p.name: (p.stat().st_mtime_ns, p.read_bytes())
+                   for p in (run / "iter_00000" / "markers").glob("*.done")}
     assert {"generate.done", "score.done", "gather.done"} <= set(done_before)
     assert "train.done" not in done_before
     shards_before = {p: p.stat().st_mtime_ns for p in (run / "iter_00000").glob("*/rank_*.jsonl")}

@@ -65,3 +65,35 @@ def log0(logger: logging.Logger, rank: int, msg: str, *args) -> None:
     """Log from rank 0 only, for lines every rank would repeat."""
     if rank == 0:
         logger.info(msg, *args)
+
+
+class Progress:
+    """Rank 0's progress: a tqdm bar on a terminal; in a log file, a plain line every `every_s` seconds
+    (carriage-return bars make rank logs unreadable and `syncrl tail` noisy)."""
+
+    def __init__(self, total: int, desc: str, rank: int, every_s: float = 30.0):
+        self.total, self.desc, self.every_s = total, desc, every_s
+        self.enabled = rank == 0
+        self.done = 0
+        self.t0 = self.last = time.monotonic()
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= self.every_s or self.done == self.total):
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            logging.getLogger("syncrl.progress").info("%s: %d/%d (%.0f%%), %.2f/s", self.desc, self.done,
+                                                      self.total, 100 * self.done / max(self.total, 1), rate)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -39,6 +39,12 @@ class StageContext:
     config_hash: str
     inputs: str
     start: float = field(default_factory=time.time)
+    summary: str = ""
+
+    def summarize(self, fmt: str, *args) -> None:
+        """The stage's one-line result: logged here, and by the coordinator from the marker."""
+        self.summary = fmt % args
+        log.info("%s", self.summary)
 
     @property
     def rank(self) -> int:
@@ -75,7 +81,15 @@ class StageContext:
         return markers.write_marker(
             self.paths, self.iteration, self.stage, self.rank, attempt=self.attempt, start=self.start,
             config_hash=self.config_hash, inputs=self.inputs,
-            outputs=markers.outputs_record(outputs, self.paths.root), extra={**(extra or {}), "memory": memory})
+            outputs=markers.outputs_record(outputs, self.paths.root),
+            extra={**(extra or {}), "memory": memory, "summary": self.summary, "import_s": _import_seconds(self)})
+
+
+def _import_seconds(ctx: StageContext) -> float:
+    """From process creation to the stage's start: interpreter start-up and imports."""
+    import psutil
+
+    return max(0.0, ctx.start - psutil.Process().create_time())
 
 
 def base_model_id(cfg: RunConfig) -> str:
