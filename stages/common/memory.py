@@ -17,7 +17,7 @@ RESERVED_WARN_FRACTION = 0.92
 
 
 def memory_report() -> dict:
-    report = {"host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    report = {"host_rss_peak_gib": host_rss_peak_bytes() / 2**30}
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return report
@@ -36,6 +36,19 @@ def memory_report() -> dict:
         log.warning("GPU memory reserved peaked at %.1f%% of the device: close to running out",
                     report["gpu_peak_reserved_pct"])
     return report
+
+
+def host_rss_peak_bytes() -> int:
+    """This process's peak resident memory. VmHWM belongs to the address space, so it starts afresh at
+    exec; getrusage's ru_maxrss would carry over the launching parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def release_cached_memory() -> None:
