@@ -21,7 +21,7 @@ from stages.common.paths import RunPaths
 log = logging.getLogger("syncrl.metrics")
 
 # Marker fields that are bookkeeping, not measurements.
-NOT_METRICS = {"iteration", "rank", "start", "end", "attempt", "world_size", "config_hash", "inputs", "outputs",
+NOT_METRICS = {"iteration", "rank", "start", "end", "attempt", "attempts", "world_size", "config_hash", "inputs", "outputs",
                "prunable", "hosts", "host", "stage", "pruned"}
 
 

@@ -128,6 +128,10 @@ def test_killed_during_train_resumes_without_redoing_completed_stages(tmp_path):
     assert (run / "logs" / "iter_00000" / "train" / "attempt_2").is_dir()
     assert (run / "iter_00000" / "markers" / "save.done").is_file()
     assert (run / "models" / "iter_00000" / "model.safetensors").is_file()
+    # The restarted coordinator resumed the killed one's W&B run: one run id for the RL run.
+    run_id = (run / "wandb_run_id").read_text().strip()
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(p.name.endswith(run_id) for p in offline), offline
 
 
 def _wait_for_rank_exit(run, timeout=30):
