@@ -21,16 +21,13 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run (or resume) the RL job locally or inside an allocation")
-    p.add_argument("config", help="YAML run config, e.g. configs/local_tiny.yaml")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run_dir=runs/a iterations=2")
-    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto",
-                   help="auto: srun steps inside a SLURM allocation, local processes elsewhere")
+    _config_args(p)
+    _launcher_arg(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="validate a config (keys, paths, DeepSpeed JSON, sizes, resources)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto")
+    _config_args(p)
+    _launcher_arg(p)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("status", help="iterations x stages table of a run directory")
@@ -38,8 +35,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("submit", help="submit the coordinator as a SLURM job through submitit (from a login node)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    _config_args(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("tail", help="per-rank logs of one stage, merged in time order")
@@ -58,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--iteration", type=int, required=True)
     p.add_argument("--stage", choices=STAGES, required=True)
-    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto")
+    _launcher_arg(p)
     p.set_defaults(func=cmd_rerun)
 
     p = sub.add_parser("report", help="reward/accuracy and stage-time plots (PNG) plus a Markdown summary")
@@ -81,6 +77,16 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"syncrl {args.command}: {e}", file=sys.stderr)
         return 2
+
+
+def _config_args(p) -> None:
+    p.add_argument("config", help="YAML run config, e.g. configs/local_tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run_dir=runs/a iterations=2")
+
+
+def _launcher_arg(p) -> None:
+    p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto",
+                   help="auto: srun steps inside a SLURM allocation, local processes elsewhere")
 
 
 def cmd_check(args) -> int:

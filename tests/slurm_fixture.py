@@ -128,3 +128,42 @@ def pid_gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+# Helpers for tests that run syncrl's own sbatch scripts.
+
+# The smallest real run: 8 prompts x 4 samples per iteration, quick retries.
+SMALL_RUN = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16",
+             "retry.backoff_s=0.5"]
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def sbatch(out_dir: Path, *args: str) -> str:
+    """Submit from the repository root, job log to OUT_DIR/job-<id>.out; returns the job id."""
+    import os
+
+    # SYNCRL_PYTHON: the interpreter that has syncrl installed (the system python3 may not).
+    env = dict(os.environ, SYNCRL_PYTHON=sys.executable)
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/job-%j.out", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def finished(job_id: str) -> str | None:
+    """The job's final state, or None while it is pending or running."""
+    state = job_state(job_id)
+    return state if state in FINAL_STATES else None
+
+
+def job_log(out_dir: Path, job_id: str) -> str:
+    log = out_dir / f"job-{job_id}.out"
+    return log.read_text() if log.is_file() else ""
+
+
+def rank_pid(log: Path) -> int | None:
+    """The pid a stage rank logs on its first line."""
+    import re
+
+    m = re.search(r"pid=(\d+)", log.read_text()) if log.is_file() else None
+    return int(m[1]) if m else None

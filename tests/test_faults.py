@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 
 from stages.common.paths import STAGES
-from tests.slurm_fixture import job_state, run, wait_for
+from tests.slurm_fixture import SMALL_RUN, finished, job_log, job_state, rank_pid, run, sbatch, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16", "retry.backoff_s=0.5"]
 JOB_TIMEOUT_S = 600
 
 
@@ -32,32 +31,9 @@ def report(case: str, detect_s: float | None, recover_s: float | None) -> None:
     print(f"\nFAULT {case}: time-to-detect {fmt(detect_s)}, time-to-recover {fmt(recover_s)}")
 
 
-def sbatch(out_dir: Path, *args: str) -> str:
-    env = dict(os.environ, SYNCRL_PYTHON=sys.executable)
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/job-%j.out", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
-def finished(job: str) -> str | None:
-    state = job_state(job)
-    return state if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
-
-
 def sbatch_run(out_dir: Path, run_dir: Path, *extra: str) -> str:
     return sbatch(out_dir, "slurm/rl_2node.sbatch", "configs/local_tiny.yaml", f"run_dir={run_dir}",
-                  "iterations=1", *SMALL, *extra)
-
-
-def job_log(out_dir: Path, job: str) -> str:
-    p = out_dir / f"job-{job}.out"
-    return p.read_text() if p.is_file() else ""
-
-
-def rank_pid(log: Path) -> int | None:
-    m = re.search(r"pid=(\d+)", log.read_text()) if log.is_file() else None
-    return int(m[1]) if m else None
+                  "iterations=1", *SMALL_RUN, *extra)
 
 
 def done_markers(run_dir: Path) -> dict[str, int]:
@@ -242,7 +218,7 @@ def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
     """Local: a file-size limit on the save process stands in for a full disk (EFBIG, like ENOSPC)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
-           *SMALL, "--launcher", "local"]
+           *SMALL_RUN, "--launcher", "local"]
     assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
     model = run_dir / "models" / "iter_00001" / "model.safetensors"
     published = model.read_bytes()

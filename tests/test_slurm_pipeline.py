@@ -19,38 +19,16 @@ from pathlib import Path
 import pytest
 
 from stages.common.paths import STAGES
-from tests.slurm_fixture import job_state, run, wait_for
+from tests.slurm_fixture import SMALL_RUN, finished, job_log, job_state, rank_pid, run, sbatch, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16", "retry.backoff_s=0.5"]
 JOB_TIMEOUT_S = 600
 
 
-def sbatch(out_dir: Path, *args: str) -> str:
-    # SYNCRL_PYTHON: the interpreter that has syncrl installed (the system python3 may not).
-    env = dict(os.environ, SYNCRL_PYTHON=sys.executable)
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/job-%j.out", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
 def wait_job(job_id: str) -> str:
-    return wait_for(lambda: (s := job_state(job_id)) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                                          "NODE_FAIL", "OUT_OF_MEMORY") and s,
-                    JOB_TIMEOUT_S, f"job {job_id} to finish", interval=0.5)
-
-
-def job_log(out_dir: Path, job_id: str) -> str:
-    log = out_dir / f"job-{job_id}.out"
-    return log.read_text() if log.is_file() else ""
-
-
-def rank_pid(log: Path) -> int | None:
-    m = re.search(r"pid=(\d+)", log.read_text()) if log.is_file() else None
-    return int(m[1]) if m else None
+    return wait_for(lambda: finished(job_id), JOB_TIMEOUT_S, f"job {job_id} to finish", interval=0.5)
 
 
 class TailReader:
@@ -86,7 +64,7 @@ def line_latency(arrived: float, line: str) -> float | None:
 def test_sbatch_two_nodes_with_retry_tail_and_rerun(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     job = sbatch(tmp_path, "slurm/rl_2node.sbatch", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
-                 *SMALL)
+                 *SMALL_RUN)
 
     # Fault: SIGKILL train rank 1 (on n2) of iteration 0 as soon as it has started.
     victim_log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
@@ -151,7 +129,7 @@ def test_sbatch_two_nodes_with_retry_tail_and_rerun(slurm_cluster, tmp_path):
 def test_submit_then_requeue_resumes_at_first_incomplete_stage(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     proc = run([sys.executable, "-m", "jobs.cli", "submit", "configs/local_tiny.yaml", f"run_dir={run_dir}",
-                "iterations=1", *SMALL], timeout=120)
+                "iterations=1", *SMALL_RUN], timeout=120)
     job = re.search(r"submitted job (\d+)", proc.stdout)[1]
     score_done = run_dir / "iter_00000" / "markers" / "score.done"
     wait_for(score_done.is_file, 300, "score to finish", interval=0.05)
