@@ -54,7 +54,7 @@ def main(ctx: StageContext) -> None:
     # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
     # partition it too (it runs outside the engine, so it must keep whole weights).
     ref = load_reference(ctx, device) if t.kl_coef > 0 else None
-    keep_alive = _zero3_init_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
+    hf_ds_config = _zero3_init_context(ds_config)  # transformers holds it weakly: alive through initialize
     model = load_policy(ctx.policy_path(), cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -63,6 +63,7 @@ def main(ctx: StageContext) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
+    del hf_ds_config
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
