@@ -54,7 +54,8 @@ def main(ctx: StageContext) -> None:
     # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
     # partition it too (it runs outside the engine, so it must keep whole weights).
     ref = load_reference(ctx, device) if t.kl_coef > 0 else None
-    hf_ds_config = _zero3_init_context(ds_config)  # transformers holds it weakly: alive through initialize
+    # Transformers holds this weakly and consults it while the ZeRO-3 model exists: keep it for the stage.
+    hf_ds_config = _zero3_init_context(ds_config)
     model = load_policy(ctx.policy_path(), cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -63,7 +64,6 @@ def main(ctx: StageContext) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
-    del hf_ds_config
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
@@ -100,6 +100,7 @@ def main(ctx: StageContext) -> None:
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
     watchdog.stop()
+    del hf_ds_config
 
 
 def load_reference(ctx: StageContext, device):
