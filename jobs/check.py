@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from jobs.launchers import launcher_kind
 from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, load_config, to_dict
 from stages.common.data import read_jsonl_problems
 from stages.common.paths import RunPaths
@@ -56,16 +57,18 @@ def resolve(value: str) -> Path | None:
 
 
 def world_size(cfg: RunConfig, launcher: str, env) -> int:
-    if _in_allocation(launcher, env):
-        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-        return (cfg.slurm.nodes or nodes) * cfg.slurm.tasks_per_node
-    if launcher == "srun":
-        return cfg.slurm.submit_nodes * cfg.slurm.tasks_per_node
-    return cfg.ranks
+    """Ranks of a multi-rank stage, as the launcher will start them."""
+    if launcher_kind(launcher, env) == "local":
+        return cfg.ranks
+    alloc = _allocation_nodes(env) or cfg.slurm.submit_nodes  # outside one: what `syncrl submit` asks for
+    return min(cfg.slurm.nodes or alloc, alloc) * cfg.slurm.tasks_per_node
 
 
-def _in_allocation(launcher: str, env) -> bool:
-    return launcher == "srun" or (launcher == "auto" and bool(env.get("SLURM_JOB_ID")) and bool(shutil.which("srun")))
+def _allocation_nodes(env) -> int | None:
+    """Nodes of the SLURM allocation this runs in; None outside one."""
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
 
 
 def _check_run_dir(cfg: RunConfig) -> list[str]:
@@ -239,9 +242,9 @@ def _check_sizes(cfg: RunConfig, world: int) -> list[str]:
 
 def _check_resources(cfg: RunConfig, launcher: str, env) -> list[str]:
     s = cfg.slurm
-    if _in_allocation(launcher, env):
+    kind, nodes = launcher_kind(launcher, env), _allocation_nodes(env)
+    if kind == "srun" and nodes is not None:
         problems = []
-        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
         if s.nodes > nodes:
             problems.append(f"slurm.nodes ({s.nodes}) exceeds the allocation's {nodes} nodes: "
                             f"sbatch --nodes={s.nodes}, or lower slurm.nodes")
@@ -255,8 +258,8 @@ def _check_resources(cfg: RunConfig, launcher: str, env) -> list[str]:
             problems.append(f"slurm.tasks_per_node x gpus_per_task ({s.gpus_per_task * s.tasks_per_node}) exceeds "
                             f"the {gpus} GPUs per node of this allocation")
         return problems
-    if launcher == "srun":
-        return []
+    if kind == "srun":
+        return []  # submitted from outside an allocation: checked again when the job starts
     gpus = _local_gpu_count()
     if gpus and cfg.ranks > gpus:
         return [f"ranks ({cfg.ranks}) exceeds the {gpus} GPUs of this machine: set ranks={gpus}"]

@@ -284,8 +284,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return out.split()
 
 
-def make_launcher(kind: str, cfg):
-    """`auto` uses srun inside a SLURM allocation (SLURM_JOB_ID set and srun on PATH), else local processes."""
+def launcher_kind(kind: str, env=None) -> str:
+    """`auto` means srun inside a SLURM allocation (SLURM_JOB_ID set and srun on PATH), else local."""
+    env = os.environ if env is None else env
     if kind == "auto":
-        kind = "srun" if os.environ.get("SLURM_JOB_ID") and shutil.which("srun") else "local"
-    return SrunLauncher(cfg.slurm) if kind == "srun" else LocalLauncher(cfg.ranks)
+        return "srun" if env.get("SLURM_JOB_ID") and shutil.which("srun") else "local"
+    return kind
+
+
+def make_launcher(kind: str, cfg):
+    return SrunLauncher(cfg.slurm) if launcher_kind(kind) == "srun" else LocalLauncher(cfg.ranks)
