@@ -27,6 +27,7 @@ class ShardError(RuntimeError):
 def main(ctx: StageContext) -> None:
     """Merge all ranks' scored shards into the train set and iteration stats."""
     world = expected_world_size(ctx)
+    require_all_ranks(ctx, world)
     rows = []
     for rank in range(world):
         rows += read_shard(ctx, rank)
@@ -49,17 +50,21 @@ def expected_world_size(ctx: StageContext) -> int:
     return int(m["world_size"]) if m and "world_size" in m else ctx.cfg.ranks
 
 
-def read_shard(ctx: StageContext, rank: int) -> list[dict]:
-    """One rank's score shard, checked against its marker (present, same size, same row count)."""
+def require_all_ranks(ctx: StageContext, world: int) -> None:
+    """Every rank's score marker is there (one listing of the marker directory), else name the missing."""
     paths, it = ctx.paths, ctx.iteration
     present = markers.rank_markers_present(paths, it, "score")
-    world = expected_world_size(ctx)
     missing = sorted(set(range(world)) - present)
     if missing:
         raise ShardError(
             f"iteration {it}: score shards of ranks {','.join(map(str, missing))} are missing or unfinished "
             f"(expected {world} shards, found {len(present & set(range(world)))}). "
             f"Rerun: syncrl rerun {paths.root} --iteration {it} --stage score")
+
+
+def read_shard(ctx: StageContext, rank: int) -> list[dict]:
+    """One rank's score shard, checked against its marker (present, same size, same row count)."""
+    paths, it = ctx.paths, ctx.iteration
     shard = paths.shard(it, "score", rank)
     marker = markers.read_marker(paths, it, "score", rank)
     rel = str(shard.relative_to(paths.root))

@@ -13,6 +13,8 @@ it means the script itself is broken.
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -140,8 +142,6 @@ FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 def sbatch(out_dir: Path, *args: str) -> str:
     """Submit from the repository root, job log to OUT_DIR/job-<id>.out; returns the job id."""
-    import os
-
     # SYNCRL_PYTHON: the interpreter that has syncrl installed (the system python3 may not).
     env = dict(os.environ, SYNCRL_PYTHON=sys.executable)
     proc = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/job-%j.out", *args], cwd=REPO_ROOT,
@@ -163,7 +163,5 @@ def job_log(out_dir: Path, job_id: str) -> str:
 
 def rank_pid(log: Path) -> int | None:
     """The pid a stage rank logs on its first line."""
-    import re
-
     m = re.search(r"pid=(\d+)", log.read_text()) if log.is_file() else None
     return int(m[1]) if m else None

@@ -54,8 +54,8 @@ def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
-def file_record(path: Path, root: Path) -> dict:
-    """Size, and sha256 for files small enough to hash, of one output, keyed relative to the run dir."""
+def file_record(path: Path) -> dict:
+    """Size, and sha256 for files small enough to hash, of one output."""
     path = Path(path)
     size = path.stat().st_size
     rec = {"size": size}
@@ -75,7 +75,7 @@ def outputs_record(paths: list[Path], root: Path) -> dict:
         p = Path(p)
         files = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
         for f in files:
-            out[str(f.relative_to(root))] = file_record(f, root)
+            out[str(f.relative_to(root))] = file_record(f)
     return out
 
 

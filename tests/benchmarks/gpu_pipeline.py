@@ -37,7 +37,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-STAGES = ("generate", "score", "gather", "train", "save")
+
+from stages.common.paths import STAGES  # noqa: E402 (needs ROOT on the path)
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
 
 

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("generate", "score", "gather", "train", "save")
+sys.path.insert(0, str(ROOT))
+
+from stages.common.paths import STAGES  # noqa: E402 (needs ROOT on the path)
 
 
 def main() -> int:
