@@ -23,6 +23,13 @@ from stages.common.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.generate")
 
+# generate() arguments per generate.cache setting (config.py says what each is for).
+CACHE_ARGS = {
+    "dynamic": {},
+    "static": {"cache_implementation": "static", "disable_compile": True},
+    "compiled": {"cache_implementation": "static"},
+}
+
 
 def main(ctx: StageContext) -> None:
     """Sample completions for this rank's shard of the iteration's prompts."""
@@ -75,12 +82,11 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
     # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
     enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True,
                     padding_side="left", add_special_tokens=False).to(device)
-    cache = {"cache_implementation": "static", "disable_compile": True} if g.cache == "static" else {}
     out = model.generate(
         **enc, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
         max_new_tokens=g.max_new_tokens, num_return_sequences=g.attempts,
         return_dict_in_generate=True, output_logits=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **cache,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **CACHE_ARGS[g.cache],
     )
     prompt_len = enc["input_ids"].shape[1]
     completions = out.sequences[:, prompt_len:]

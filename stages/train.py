@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common import dist, markers
+from stages.common import dist, flops, markers
 from stages.common.loss import ppo_clip_loss
 from stages.common.logs import Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
@@ -73,7 +73,7 @@ def main(ctx: StageContext) -> None:
              startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
 
     t1 = time.time()
-    history, tokens = run_updates(ctx, engine, ref, rows, device, watchdog)
+    history, totals = run_updates(ctx, engine, ref, rows, device, watchdog)
     train_s = time.time() - t1
     tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
@@ -87,12 +87,15 @@ def main(ctx: StageContext) -> None:
         curve = ctx.out_dir / "metrics.jsonl"
         write_jsonl_atomic(curve, history)
         outputs = [ctx.paths.checkpoints / tag, curve]
-    all_tokens = _all_reduce_sum(tokens, device)
+    totals = _all_reduce_sums(totals, device)
+    all_tokens = int(totals["tokens"])
     summary = {
-        "steps": len(history), "tokens": all_tokens, "startup_s": startup_s, "train_s": train_s,
-        "checkpoint_s": save_s, "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
+        "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
+        "model_flops": totals["flops"], "startup_s": startup_s, "train_s": train_s, "checkpoint_s": save_s,
+        "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
+        "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
         **_history_means(history),
-        **_mfu(engine, all_tokens, train_s, ctx.world_size),
+        **_mfu(totals["flops"], train_s, ctx.world_size),
     }
     ctx.summarize("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
                   summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
@@ -171,37 +174,62 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
     log.info("resumed weights and optimizer state from %s", path)
 
 
-def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog) -> tuple[list[dict], int]:
-    """All epochs of micro-batches; returns (per-optimizer-step history, tokens this rank trained on)."""
+def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog) -> tuple[list[dict], dict]:
+    """All epochs of micro-batches; returns (per-optimizer-step history, this rank's totals).
+
+    Totals: loss tokens, positions (real tokens of every sequence run) and model FLOPs (flops.py).
+    """
     t = ctx.cfg.train
     temperature = ctx.cfg.generate.temperature
-    history, tokens, step_metrics = [], 0, []
+    shape = flops.model_shape(engine.module)
+    history, pending = [], []
+    totals = {"tokens": 0, "positions": 0, "flops": 0.0}
+    step_tokens = 0
     batches = rank_micro_batches(rows, ctx, t.micro_batch_size * t.gradient_accumulation_steps * ctx.world_size)
     engine.train()
     bar = Progress(len(batches), f"train iteration {ctx.iteration}: micro-batches", ctx.rank)
     for micro in batches:
         batch = collate(micro, device)
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logp = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
-        ref_logp = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                ref_logp = token_logprobs(ref_logits[:, :-1], batch["input_ids"][:, 1:], temperature)
-        loss, metrics = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"],
-                                      t.clip_eps, ref_logp, t.kl_coef)
-        engine.backward(loss)
+        loss, metrics = micro_step(engine, ref, batch, t, temperature)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         watchdog.beat()
-        tokens += int(metrics["tokens"])
-        step_metrics.append({"loss": loss.item(), **metrics})
+        passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
+        totals["flops"] += passes * sum(flops.forward_flops(shape, n) for n in batch["lengths"])
+        totals["positions"] += sum(batch["lengths"])
+        totals["tokens"] += batch["tokens"]
+        step_tokens += batch["tokens"]
+        pending.append({"loss": loss.detach(), **metrics})
         if boundary:
-            history.append(_step_record(engine, step_metrics))
-            step_metrics = []
+            history.append(_step_record(engine, pending, step_tokens))
+            pending, step_tokens = [], 0
         bar.update(1)
     bar.close()
-    return history, tokens
+    return history, totals
+
+
+def micro_step(engine, ref, batch: dict, t, temperature: float):
+    """Forward, loss and backward of one micro-batch; the optimizer step is the caller's."""
+    logp = sequence_logprobs(engine, batch, temperature)
+    ref_logp = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_logp = sequence_logprobs(ref, batch, temperature)
+    loss, metrics = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"],
+                                  t.clip_eps, ref_logp, t.kl_coef)
+    engine.backward(loss)
+    return loss, metrics
+
+
+def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """Log-probs of tokens 1.. of each row under `model`: [B, T - 1].
+
+    Rows are right-padded and attention is causal, so no real token can attend to padding: the
+    attention mask would change only the padding's own outputs, which the loss masks out. Leaving it
+    out lets SDPA run its fused causal kernel instead of a masked one.
+    """
+    logits = model(input_ids=batch["input_ids"]).logits
+    return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
 
 
 def rank_micro_batches(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[dict | None]]:
@@ -241,14 +269,20 @@ def collate(micro: list[dict | None], device) -> dict:
         mask[i, p - 1:p - 1 + c] = 1
         old[i, p - 1:p - 1 + c] = torch.tensor(r["logprobs"])
         adv[i] = r["advantage"]
-    return {k: v.to(device) for k, v in
-            dict(input_ids=ids, attention_mask=attn, mask=mask, old_logp=old, advantages=adv).items()}
+    out = {k: v.to(device) for k, v in
+           dict(input_ids=ids, attention_mask=attn, mask=mask, old_logp=old, advantages=adv).items()}
+    # Counted here, on the host, so that bookkeeping never waits for the GPU.
+    out["lengths"] = [len(s) for r, s in zip(real, seqs) if r is not None]
+    out["tokens"] = sum(len(r["completion_ids"]) for r in real if r is not None)
+    return out
 
 
-def _step_record(engine, step_metrics: list[dict]) -> dict:
-    n = len(step_metrics)
-    rec = {k: sum(m.get(k, 0.0) for m in step_metrics) / n for k in step_metrics[0] if k != "tokens"}
-    rec["tokens"] = sum(m["tokens"] for m in step_metrics)
+def _step_record(engine, pending: list[dict], tokens: int) -> dict:
+    """Means of one optimizer step's micro-batch metrics, read from the GPU in a single transfer."""
+    keys = list(pending[0])
+    means = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).mean(0).tolist()
+    rec = dict(zip(keys, means))
+    rec["tokens"] = tokens
     rec["step"] = engine.global_steps
     grad_norm = engine.get_global_grad_norm()
     rec["grad_norm"] = float(grad_norm) if grad_norm is not None else None
@@ -268,30 +302,18 @@ def _history_means(history: list[dict]) -> dict:
     return out
 
 
-# Dense bf16 peak FLOP/s per GPU (datasheets), by device-name fragment.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
-def _mfu(engine, tokens: int, seconds: float, world: int) -> dict:
-    """Model FLOPs utilisation: 6 x non-embedding parameters x tokens / (seconds x GPUs x peak)."""
+def _mfu(model_flops: float, seconds: float, world: int) -> dict:
     if not torch.cuda.is_available() or seconds <= 0:
         return {}
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    if peak is None:
-        return {}
-    module = engine.module
-    embed = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                for p in module.get_input_embeddings().parameters())
-    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters()) - embed
-    return {"mfu": 6 * params * tokens / (seconds * world * peak)}
+    peak = flops.peak_flops(torch.cuda.get_device_name())
+    return {"mfu": model_flops / (seconds * world * peak)} if peak else {}
 
 
-def _all_reduce_sum(value: int, device) -> int:
-    t = torch.tensor([value], dtype=torch.long, device=device)
+def _all_reduce_sums(totals: dict, device) -> dict:
+    t = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t)
-    return int(t.item())
+    return dict(zip(totals, t.tolist()))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from stages.common.config import GenerateConfig
 from stages.common.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.common.tiny_model import create_base_model
 from stages.generate import sample_batch, sample_seed
-from stages.train import collate
+from stages.train import collate, sequence_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,12 @@ def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache):
         assert r["prompt_ids"] == tok(r["prompt"], add_special_tokens=False)["input_ids"]  # padding stripped
     batch = collate(rows + [None], torch.device("cpu"))  # padding slots (None) carry no tokens
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
+        logp = sequence_logprobs(model, batch, temperature)  # train's own call: no attention mask
+        masked = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     mask = batch["mask"].bool()
-    assert int(mask.sum()) == sum(len(r["completion_ids"]) for r in rows)
+    assert int(mask.sum()) == sum(len(r["completion_ids"]) for r in rows) == batch["tokens"]
+    assert batch["lengths"] == [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
     assert torch.allclose(logp[mask], batch["old_logp"][mask], atol=2e-4)
+    # Right padding under causal attention: the mask changes nothing the loss reads.
+    with_mask = token_logprobs(masked[:, :-1], batch["input_ids"][:, 1:], temperature)
+    assert torch.allclose(logp[mask], with_mask[mask], atol=1e-5)

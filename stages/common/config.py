@@ -66,7 +66,9 @@ class GenerateConfig:
     batch_size: int = 64  # prompts x attempts sequences per generate call
     backend: str = "hf"
     # KV cache of HF generate: "static" preallocates it at full length, so every decode step has the
-    # same shapes (no per-step allocation); "dynamic" grows it step by step.
+    # same shapes (no per-step allocation); "dynamic" grows it step by step; "compiled" is the static
+    # cache plus HF's torch.compile of the decode step on GPU (CUDA graphs; compiling costs time on a
+    # process's first call; on CPU it is the static cache alone).
     cache: str = "dynamic"
 
     def __post_init__(self):
@@ -78,7 +80,7 @@ class GenerateConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
         _choice("generate.backend", self.backend, ("hf",))
-        _choice("generate.cache", self.cache, ("dynamic", "static"))
+        _choice("generate.cache", self.cache, ("dynamic", "static", "compiled"))
 
 
 @dataclass

@@ -14,7 +14,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     kl_coef * KL estimated with k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0).
     Averaged over the unmasked tokens; a batch with no tokens gives a zero loss that still
     backpropagates, so every rank takes part in the gradient reduction.
-    Returns (loss, metrics dict of floats).
+    Returns (loss, metrics): metrics are detached 0-dim tensors on the loss's device, so a training
+    loop can read them once per optimizer step instead of stalling the GPU on every micro-batch.
     """
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum()
@@ -29,10 +30,9 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         delta = ref_logp - logp
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * kl
-        metrics["kl"] = float((kl * mask).sum() / denom)
+        metrics["kl"] = ((kl * mask).sum() / denom).detach()
     loss = (per_token * mask).sum() / denom
     with torch.no_grad():
-        metrics["clip_frac"] = float(((clipped > unclipped).to(logp.dtype) * mask).sum() / denom)
-        metrics["ratio_mean"] = float((ratio * mask).sum() / denom)
-        metrics["tokens"] = float(n_tokens)
+        metrics["clip_frac"] = ((clipped > unclipped).to(logp.dtype) * mask).sum() / denom
+        metrics["ratio_mean"] = (ratio * mask).sum() / denom
     return loss, metrics

@@ -1,17 +1,21 @@
-"""Benchmark: the generate stage's sampling call with a growing (dynamic) vs a preallocated (static) KV cache.
+"""Benchmark: generation speed of the generate stage's sampling call, per KV-cache mode, against plain HF generate.
 
-Both run syncrl's own `stages.generate.sample_batch` in one process, on the same model, prompts,
-batch and sampling settings, warm (after a full-size warm-up call) and cold (the first call, as a
-fresh generate stage process sees it). Prints new tokens/s, decoded positions/s and the ratio of
-static to dynamic.
+Modes, all on the same model, prompts, batch and sampling settings, in one process:
+- eager: plain `model.generate` (growing cache, no extras): the baseline;
+- dynamic, static, compiled: syncrl's own `stages.generate.sample_batch` with that `generate.cache`
+  (it also returns the sampling log-probs).
+Each mode runs a first (cold) call, as a fresh generate stage process sees it, then --repeats warm
+calls. Prints new tokens/s (up to end-of-sequence), decoded positions/s (sequences x the call's
+longest completion: every sequence of a call runs that many steps) and each mode's ratio to eager.
 
     python tests/benchmarks/generate_cache.py [--preset small-llama] [--prompts 64] [--attempts 8]
-                                              [--new-tokens 256] [--repeats 3]
+                                              [--new-tokens 256] [--repeats 3] [--modes eager,dynamic,static,compiled]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -29,6 +33,8 @@ def main() -> int:
     parser.add_argument("--attempts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="eager,dynamic,static,compiled")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     import torch
@@ -46,33 +52,55 @@ def main() -> int:
     items = iteration_prompts(DataConfig(prompts_per_iteration=args.prompts), synthetic_problems(1000, 4, 0), 0, 0)
     print(f"{args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {args.dtype}) on "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: {args.prompts} prompts x "
-          f"{args.attempts} samples = {args.prompts * args.attempts} sequences, up to {args.new_tokens} new tokens")
+          f"{args.attempts} samples = {args.prompts * args.attempts} sequences per call, up to {args.new_tokens} "
+          f"new tokens", flush=True)
+
+    def plain_generate():
+        enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False).to(device)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=args.new_tokens,
+                                 num_return_sequences=args.attempts, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        completions = out[:, enc["input_ids"].shape[1]:].tolist()
+        lengths = [c.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in c else len(c) for c in completions]
+        return lengths, len(completions) * out.shape[1] - len(completions) * enc["input_ids"].shape[1]
+
+    def syncrl_generate(cache):
+        g = GenerateConfig(attempts=args.attempts, max_new_tokens=args.new_tokens,
+                           batch_size=args.prompts * args.attempts, cache=cache)
+        rows = sample_batch(model, tokenizer, items, g, device)
+        lengths = [len(r["completion_ids"]) for r in rows]
+        return lengths, len(rows) * max(lengths)
 
     results = {}
-    for cache in ("dynamic", "static"):
-        g = GenerateConfig(attempts=args.attempts, max_new_tokens=args.new_tokens, batch_size=args.prompts * args.attempts,
-                           cache=cache)
+    for mode in args.modes.split(","):
         runs = []
         for i in range(args.repeats + 1):  # the first call is the cold one
             torch.manual_seed(i)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            rows = sample_batch(model, tokenizer, items, g, device)
+            lengths, positions = plain_generate() if mode == "eager" else syncrl_generate(mode)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            new = sum(len(r["completion_ids"]) for r in rows)
-            steps = max(len(r["completion_ids"]) for r in rows)
-            runs.append((dt, new, steps * len(rows)))
-        cold, warm = runs[0], runs[1:]
-        warm_tps = sum(n for _, n, _ in warm) / sum(t for t, _, _ in warm)
-        warm_pos = sum(p for _, _, p in warm) / sum(t for t, _, _ in warm)
-        results[cache] = (cold[1] / cold[0], warm_tps)
-        print(f"  {cache:<8} cold: {cold[0]:6.2f}s {cold[1] / cold[0]:9.0f} new tok/s | warm (mean of {args.repeats}): "
-              f"{warm_tps:9.0f} new tok/s, {warm_pos:9.0f} decoded positions/s")
-    print(f"static / dynamic: cold {results['static'][0] / results['dynamic'][0]:.2f}x, "
-          f"warm {results['static'][1] / results['dynamic'][1]:.2f}x")
+            runs.append((time.perf_counter() - t0, sum(lengths), positions))
+        (cold_s, cold_new, _), warm = runs[0], runs[1:]
+        warm_s = sum(t for t, _, _ in warm)
+        results[mode] = {"cold_s": cold_s, "cold_new_per_s": cold_new / cold_s,
+                         "warm_new_per_s": sum(n for _, n, _ in warm) / warm_s,
+                         "warm_positions_per_s": sum(p for _, _, p in warm) / warm_s,
+                         "warm_s": warm_s / len(warm)}
+        r = results[mode]
+        print(f"  {mode:<9} cold {cold_s:6.2f}s {r['cold_new_per_s']:8.0f} new tok/s | warm {r['warm_s']:6.2f}s "
+              f"{r['warm_new_per_s']:8.0f} new tok/s {r['warm_positions_per_s']:9.0f} positions/s", flush=True)
+    base = results.get("eager")
+    if base:
+        for mode, r in results.items():
+            print(f"{mode:<9} / eager: warm positions/s {r['warm_positions_per_s'] / base['warm_positions_per_s']:5.2f}x, "
+                  f"cold call time {base['cold_s'] / r['cold_s']:5.2f}x faster")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -1,0 +1,157 @@
+"""Benchmark: the train stage's update step alone, at a fixed sequence length, across DeepSpeed setups.
+
+Runs syncrl's own micro-step (stages.train.collate + micro_step: forward, PPO-clip loss, backward,
+then engine.step) on synthetic rollouts of exactly --seq tokens (128 prompt + the rest completion),
+one optimizer step per micro-batch, for each variant given, in one process group. Prints per variant:
+seconds per step, tokens/s over all GPUs, model FLOPs utilisation (formula printed, see
+stages/common/flops.py), the 6*N-only figure for comparison, and peak GPU memory.
+
+A variant is colon-separated: zN (ZeRO stage, with configs/ds_zero2_gpu.json or
+ds_zero3_multinode.json), mB (micro-batch per GPU), and optionally gc (gradient checkpointing),
+kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/benchmarks/train_mfu.py \\
+        [--preset small-llama] [--seq 1024] [--steps 10] [--variants z2:m8,z2:m16,z2:m32,z3:m16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.json"}
+
+
+def parse_variant(text: str) -> dict:
+    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "name": text}
+    for part in text.split(":"):
+        if part[0] == "z":
+            v["zero"] = int(part[1:])
+        elif part[0] == "m":
+            v["micro"] = int(part[1:])
+        elif part in ("gc", "kl", "compile"):
+            v[part] = True
+        else:
+            raise SystemExit(f"unknown variant part {part!r} in {text!r}")
+    return v
+
+
+def synthetic_rows(n: int, seq: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = [rng.randrange(4, vocab) for _ in range(128)]
+        completion = [rng.randrange(4, vocab) for _ in range(seq - 128)]
+        rows.append({"prompt_ids": prompt, "completion_ids": completion,
+                     "logprobs": [-rng.random() * 3 for _ in completion], "advantage": rng.choice([-1.0, 1.0])})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small-llama")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variants", default="z2:m8,z2:m16,z2:m32,z3:m16")
+    parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as tdist
+
+    from stages.common import flops
+    from stages.common.modeling import device_for, load_policy
+    from stages.common.tiny_model import create_base_model
+    from stages.train import collate, micro_step
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tdist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    model_dir = Path(args.model_dir)
+    if rank == 0 and not model_dir.is_dir():
+        create_base_model(model_dir, args.preset)
+    tdist.barrier()
+    peak = flops.peak_flops(torch.cuda.get_device_name()) if device.type == "cuda" else None
+    results = []
+    for spec in args.variants.split(","):
+        v = parse_variant(spec)
+        ds = json.loads((ROOT / DS_CONFIGS[v["zero"]]).read_text())
+        ds.update(train_micro_batch_size_per_gpu=v["micro"], gradient_accumulation_steps=1,
+                  train_batch_size=v["micro"] * world, gradient_clipping=1.0)
+        ds["optimizer"]["params"].update(lr=1e-6, weight_decay=0.0)
+        if device.type != "cuda":
+            ds.pop("bf16", None)
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        ref = load_policy(model_dir, dtype, device).eval().requires_grad_(False) if v["kl"] else None
+        model = load_policy(model_dir, dtype)
+        if v["gc"]:
+            model.gradient_checkpointing_enable()
+        engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+        if v["compile"]:
+            engine.compile()
+        shape = flops.model_shape(engine.module)
+        train_cfg = SimpleNamespace(clip_eps=0.2, kl_coef=0.05 if v["kl"] else 0.0)
+        rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank)
+        batches = [collate(rows[i:i + v["micro"]], device) for i in range(0, len(rows), v["micro"])]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        engine.train()
+        for i, batch in enumerate(batches):
+            if i == args.warmup:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                tdist.barrier()
+                t0 = time.perf_counter()
+            micro_step(engine, ref, batch, train_cfg, 1.0)
+            engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        tdist.barrier()
+        seconds = time.perf_counter() - t0
+        timed = batches[args.warmup:]
+        passes = 3 + v["kl"]
+        model_flops = world * passes * sum(flops.forward_flops(shape, n) for b in timed for n in b["lengths"])
+        positions = world * sum(sum(b["lengths"]) for b in timed)
+        six_n = world * 6 * shape["n"] * sum(sum(b["lengths"]) for b in timed)
+        r = {"variant": v["name"], "seconds_per_step": seconds / args.steps, "tokens_per_s": positions / seconds,
+             "mfu": model_flops / (seconds * world * peak) if peak else None,
+             "mfu_6n": six_n / (seconds * world * peak) if peak else None,
+             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+        results.append(r)
+        if rank == 0:
+            mfu = f"MFU {r['mfu']:6.1%} (6N only {r['mfu_6n']:6.1%})" if peak else "MFU n/a (no GPU peak known)"
+            mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
+            print(f"{v['name']:<18} {r['seconds_per_step']:7.3f} s/step {r['tokens_per_s']:10.0f} tok/s "
+                  f"(all {world} ranks)  {mfu}{mem}", flush=True)
+        del engine, model, ref, batches
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        peak_text = f"peak {peak:.3g} FLOP/s per GPU" if peak else "no GPU peak known"
+        print(f"{args.preset}: N = {shape['n']:,}, L = {shape['layers']}, d = {shape['attn_dim']}; seq {args.seq}; "
+              f"{world} ranks; {peak_text}", flush=True)
+        print(flops.FORMULA)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    tdist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
