@@ -41,7 +41,6 @@ def main(ctx: StageContext) -> None:
     device = device_for(ctx.info.local_rank)
     dist.export_torch_env(ctx.info)
     dist.communication_env(ctx.attempt, t.socket_ifname)
-    t0 = time.time()
     watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
     backend = dist.pick_backend(t.backend)
     dist.init_process_group(ctx.info, backend, t.timeout_s)
@@ -64,11 +63,19 @@ def main(ctx: StageContext) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
+    if t.compile != "off":
+        # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile
+        # per layer until dynamo gives up on the frame.
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        engine.compile(backend=t.compile)
+        if ref is not None:
+            ref = torch.compile(ref, backend=t.compile)
+        log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref else "", t.compile)
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     watchdog.beat("train")
-    startup_s = time.time() - t0
+    startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
 

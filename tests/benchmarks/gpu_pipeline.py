@@ -179,6 +179,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "ranks": len(gen), "rows": sum(r["rows"] for r in gen), "new_tokens": gen_tokens,
                 "load_s": max(r["load_s"] for r in gen), "generate_s": gen_s,
                 "tokens_per_s": gen_tokens / gen_s, "tokens_per_s_per_gpu": fmean(r["tokens_per_s"] for r in gen),
+                "import_s": max(r.get("import_s", 0.0) for r in gen),
                 "positions": gen_pos, "positions_per_s_per_gpu": gen_pos / gen_s / len(gen),
             },
             "train": {
@@ -188,6 +189,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "tokens_per_s": tokens / train_s,
                 "mfu": flops / (train_s * world * peak),
                 "mfu_positions": (6 * n_params * positions / (train_s * world * peak)) if positions else None,
+                "mfu_model": tr.get("mfu"), "import_s": max(r.get("import_s", 0.0) for r in train),
             },
             "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
                     | {"export_gb_per_s": m["save"]["bytes"] / 1e9 / m["save"]["export_s"]},
@@ -214,6 +216,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("\ngenerate (per iteration, then mean)")
     print("  sequences            ", col("generate", "rows", "{:>9d}"))
     print("  new tokens           ", col("generate", "new_tokens", "{:>9d}"))
+    print("  imports s            ", col("generate", "import_s", "{:>9.1f}"))
     print("  model load s         ", col("generate", "load_s", "{:>9.1f}"))
     print("  sampling s           ", col("generate", "generate_s", "{:>9.1f}"))
     print("  new tok/s, total     ", col("generate", "tokens_per_s", "{:>9.0f}"))
@@ -223,12 +226,16 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  optimizer steps      ", col("train", "steps", "{:>9d}"))
     print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))
     print("  positions (padded)   ", col("train", "positions", "{:>9d}"))
-    print("  startup s            ", col("train", "startup_s", "{:>9.1f}"))
+    print("  imports s            ", col("train", "import_s", "{:>9.1f}"))
+    print("  startup s (after imports)", col("train", "startup_s", "{:>9.1f}"))
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
     print("  tokens/s (all GPUs)  ", col("train", "tokens_per_s", "{:>9.0f}"))
     print("  MFU, loss tokens     ", col("train", "mfu", "{:>9.2%}"))
     print("  MFU, all positions   ", col("train", "mfu_positions", "{:>9.2%}"))
+    print("  MFU, model FLOPs     ", col("train", "mfu_model", "{:>9.2%}"))
+    print("  (model FLOPs: the train marker's, stages/common/flops.py: forward 2*N*s + 4*L*d*s^2 per sequence, x3 "
+          "for training, + a reference forward with KL)")
     print(f"  MFU = 6 * N * tokens / (train_s * n_gpus * peak), N = {n_params:,} non-embedding parameters, "
           f"peak = {peak:.3g} FLOP/s per GPU; attention-score FLOPs not counted")
     print("\nsave")
