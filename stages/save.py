@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from stages.common import markers
-from stages.common.modeling import load_policy, load_tokenizer
+from stages.common.modeling import DTYPES, load_policy, load_tokenizer
 from stages.common.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
@@ -35,12 +35,12 @@ def main(ctx: StageContext) -> None:
     target = paths.model(it)
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
+    dtype = ctx.cfg.model.dtype if ctx.cfg.save.export_dtype == "model" else ctx.cfg.save.export_dtype
     t1 = time.time()
-    model = load_policy(ctx.policy_path(), "float32")
     try:
-        export(model, state, tmp, ctx)
+        export(ctx.policy_path(), state, dtype, tmp, ctx)
         export_s = time.time() - t1
-        verify(tmp, state)
+        verify(tmp, state, dtype)
     except BaseException:
         # A full disk or a bad export leaves nothing half-written behind; what was published stays.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -61,21 +61,33 @@ def consolidate(checkpoint_dir: Path, tag: str) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
-def export(model, state: dict, out: Path, ctx: StageContext) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
+def export(policy: Path, state: dict, dtype: str, out: Path, ctx: StageContext) -> None:
+    """The policy's architecture with the consolidated weights, written as an HF model in `dtype`.
+
+    The model is built on the meta device and takes the weights by reference: nothing is initialised
+    or read from the previous export.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(policy)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
     model.save_pretrained(out, safe_serialization=True)
     load_tokenizer(ctx.tokenizer_path()).save_pretrained(out)
 
 
-def verify(out: Path, state: dict) -> None:
-    """Reload the export and compare every tensor with the consolidated weights."""
-    reloaded = load_policy(out, "float32").state_dict()
+def verify(out: Path, state: dict, dtype: str) -> None:
+    """Reload the export and compare every tensor with the consolidated weights in the export dtype."""
+    reloaded = load_policy(out, dtype).state_dict()
     for name, tensor in state.items():
-        if name in reloaded and not torch.equal(reloaded[name], tensor.float()):
+        if name in reloaded and not torch.equal(reloaded[name], tensor.to(DTYPES[dtype])):
             raise RuntimeError(f"exported model at {out} differs from the checkpoint at {name}")
 
 

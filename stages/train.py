@@ -55,7 +55,8 @@ def main(ctx: StageContext) -> None:
     ref = load_reference(ctx, device) if t.kl_coef > 0 else None
     # Transformers holds this weakly and consults it while the ZeRO-3 model exists: keep it for the stage.
     hf_ds_config = _zero3_init_context(ds_config)
-    model = load_policy(ctx.policy_path(), cfg.model.dtype)
+    # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
+    model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = None

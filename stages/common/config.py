@@ -144,9 +144,13 @@ class TrainConfig:
 class SaveConfig:
     keep_checkpoints: int = 1  # DeepSpeed checkpoints kept; the newest is needed to resume the optimizer
     keep_models: int = 0  # HF models kept (0 = all)
+    # dtype of the exported HF model: "model" is model.dtype, what generate loads (a bf16 export is
+    # half the bytes of fp32; training resumes its fp32 master weights from the DeepSpeed checkpoint).
+    export_dtype: str = "model"
 
     def __post_init__(self):
         _positive("save.keep_checkpoints", self.keep_checkpoints)
+        _choice("save.export_dtype", self.export_dtype, ("model", "float32", "bfloat16", "float16"))
         if self.keep_models < 0:
             raise ConfigError(f"save.keep_models must be >= 0 (got {self.keep_models}); 0 keeps all")
 

@@ -43,8 +43,11 @@ def load_policy(path: Path, dtype: str, device: torch.device | None = None):
 
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json (not an HF model)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    if device is not None:
+    # On GPU the weights go from the safetensors files straight to device memory, not through a CPU copy.
+    on_gpu = device is not None and device.type == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                 **({"device_map": {"": str(device)}} if on_gpu else {}))
+    if device is not None and not on_gpu:
         model.to(device)
     return model
 
