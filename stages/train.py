@@ -64,7 +64,7 @@ def main(ctx: StageContext) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
-    if t.compile != "off":
+    if t.compile != "eager":
         # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile
         # per layer until dynamo gives up on the frame.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True

@@ -121,13 +121,14 @@ class TrainConfig:
     timeout_s: int = 600  # process-group init, collectives, and the no-progress watchdog
     socket_ifname: str = ""  # network interface for NCCL and gloo traffic, e.g. "ib0" or "eth0"
     # torch.compile backend for the policy (and reference) forward/backward: "inductor" fuses kernels
-    # on GPU (the first micro-batches of each stage pay the compile); "aot_eager" traces without
-    # generating code (checks that a model compiles, cheaply); "off" runs eager.
-    compile: str = "off"
+    # on GPU (the first micro-batches of each stage pay the compile, and each new sequence width may
+    # recompile: it pays off for long train stages); "aot_eager" traces without generating code
+    # (checks that a model compiles, cheaply); "eager" does not compile.
+    compile: str = "eager"
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)
-        _choice("train.compile", self.compile, ("off", "inductor", "aot_eager"))
+        _choice("train.compile", self.compile, ("eager", "inductor", "aot_eager"))
         _positive("train.gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive("train.epochs", self.epochs)
         _positive("train.timeout_s", self.timeout_s)
