@@ -71,7 +71,7 @@ def main(ctx: StageContext) -> None:
         engine.compile(backend=t.compile)
         if ref is not None:
             ref = torch.compile(ref, backend=t.compile)
-        log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref else "", t.compile)
+        log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref is not None else "", t.compile)
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
