@@ -19,12 +19,16 @@ def run(args, timeout=300):
     return proc.stdout
 
 
-def test_train_mfu_benchmark_runs_the_train_micro_step(tmp_path):
-    out = run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/benchmarks/train_mfu.py",
-               "--preset", "tiny-llama", "--seq", "160", "--steps", "2", "--warmup", "1",
-               "--variants", "z2:m2,z3:m2:kl", "--model-dir", str(tmp_path / "base")])
-    assert "z2:m2" in out and "z3:m2:kl" in out and out.count("s/step") == 2
-    assert "forward = 2*N*s + 4*L*d*s^2" in out
+def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(tmp_path):
+    # scaling.py starts train_mfu.py under two launchers (node ranks 0 and 1), as on 2 nodes.
+    out = run(["tests/benchmarks/scaling.py", "--gpus", "2", "--preset", "tiny-llama", "--seq", "160",
+               "--steps", "2", "--variants", "z2:m2,z3:m2:kl", "--model-dir", str(tmp_path / "base"),
+               "--json", str(tmp_path / "scaling.json")])
+    assert out.count("s/step") == 2 and "forward = 2*N*s + 4*L*d*s^2" in out
+    import json
+    rows = json.loads((tmp_path / "scaling.json").read_text())
+    assert [(r["variant"], r["gpus"], r["efficiency"]) for r in rows] == [("z2:m2", 2, 1.0), ("z3:m2:kl", 2, 1.0)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_generate_benchmark_runs_every_mode(tmp_path):

@@ -52,3 +52,26 @@ def test_token_logprobs_temperature():
     logits = torch.tensor([[[2.0, 0.0]]])
     lp = token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)
     assert lp.item() == pytest.approx(math.log(math.e / (math.e + 1)))
+
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
+def test_token_logprobs_value_and_gradient_match_log_softmax(dtype, temperature, monkeypatch):
+    import stages.common.modeling as modeling
+
+    monkeypatch.setattr(modeling, "_CHUNK_ELEMENTS", 5 * 11)  # several chunks of rows, and a ragged last one
+    torch.manual_seed(0)
+    base = (torch.randn(7, 5, 11) * 3).to(dtype)
+    tokens = torch.randint(0, 11, (7, 5))
+    weights = torch.randn(7, 5)
+    a = base.clone().requires_grad_(True)
+    b = base.clone().requires_grad_(True)
+    got = token_logprobs(a, tokens, temperature)
+    want = torch.log_softmax(b.float() / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-5)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert a.grad.dtype == dtype and torch.allclose(a.grad.float(), b.grad.float(), atol=tol)
+    with torch.no_grad():  # the no-grad path (generate) gives the same values
+        assert torch.equal(token_logprobs(base, tokens, temperature), got.detach())
