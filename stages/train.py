@@ -18,7 +18,7 @@ import torch
 
 from stages.common import dist, flops, markers
 from stages.common.loss import ppo_clip_loss
-from stages.common.logs import Progress
+from stages.common.logs import Phases, Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
 from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, set_cpu_threads, token_logprobs
@@ -33,8 +33,10 @@ DERIVED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_step
 
 def main(ctx: StageContext) -> None:
     """PPO-clip update of the policy over this iteration's train set."""
+    phases = Phases(ctx.start)
     import deepspeed
 
+    phases.done("import_deepspeed")
     cfg, t = ctx.cfg, ctx.cfg.train
     set_cpu_threads()
     rows = read_train_set(ctx)
@@ -43,12 +45,14 @@ def main(ctx: StageContext) -> None:
     dist.communication_env(ctx.attempt, t.socket_ifname)
     watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
     backend = dist.pick_backend(t.backend)
+    phases.done("read_train_set")
     dist.init_process_group(ctx.info, backend, t.timeout_s)
     watchdog.beat("load model")
     _skip_cpu_inference_op(deepspeed)
     # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=t.timeout_s))
+    phases.done("process_group")
     ds_config = deepspeed_config(ctx)
     # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
     # partition it too (it runs outside the engine, so it must keep whole weights).
@@ -59,6 +63,7 @@ def main(ctx: StageContext) -> None:
     model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    phases.done("load_models")
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
@@ -72,9 +77,12 @@ def main(ctx: StageContext) -> None:
         if ref is not None:
             ref = torch.compile(ref, backend=t.compile)
         log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref is not None else "", t.compile)
+    phases.done("deepspeed_initialize")
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
+    phases.done("resume_checkpoint")
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
+    phases.done("barrier")
     watchdog.beat("train")
     startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
@@ -99,7 +107,8 @@ def main(ctx: StageContext) -> None:
     all_tokens = int(totals["tokens"])
     summary = {
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
-        "model_flops": totals["flops"], "startup_s": startup_s, "train_s": train_s, "checkpoint_s": save_s,
+        "model_flops": totals["flops"], "startup_s": startup_s, "startup_phases": phases.seconds,
+        "train_s": train_s, "checkpoint_s": save_s,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
         **_history_means(history),

@@ -37,3 +37,15 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
                str(tmp_path / "gen.json")])
     for mode in ("eager", "dynamic", "static", "compiled"):
         assert f"{mode:<11} / eager" in out
+
+
+def test_pipeline_benchmark_reports_every_figure(tmp_path):
+    out = run(["tests/benchmarks/gpu_pipeline.py", "--config", "configs/local_tiny.yaml", "--iterations", "1",
+               "--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "pipe.json"),
+               "data.prompts_per_iteration=8"], timeout=600)
+    for needle in ("wall time per stage", "train start-up phases", "deepspeed_initialize", "checkpoint GB/s",
+                   "start-up per stage", "non-compute share", "tensors differ from base"):
+        assert needle in out, needle
+    import json
+    figures = json.loads((tmp_path / "pipe.json").read_text())
+    assert 0 < figures["non_compute_share"][0] < 1 and figures["checkpoint_bytes"] > 0

@@ -97,3 +97,16 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class Phases:
+    """Durations of a stage's consecutive start-up phases, for its marker: where start-up time goes."""
+
+    def __init__(self, start: float):
+        self.last = start
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name] = round(now - self.last, 3)
+        self.last = now

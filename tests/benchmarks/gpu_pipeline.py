@@ -191,6 +191,16 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "mfu_positions": (6 * n_params * positions / (train_s * world * peak)) if positions else None,
                 "mfu_model": tr.get("mfu"), "import_s": max(r.get("import_s", 0.0) for r in train),
             },
+            "startup_s": {
+                # Process start to first useful work: sampling (generate), the first update (train),
+                # reading the checkpoint (save).
+                "generate": max(r.get("import_s", 0.0) + r["load_s"] for r in gen),
+                "train": max(r.get("import_s", 0.0) + r["startup_s"] for r in train),
+                "save": m["save"].get("import_s", 0.0),
+            },
+            "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
+                             for k in train[0].get("startup_phases", {})},
+            "compute_s": gen_s + train_s,
             "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
                     | {"export_gb_per_s": m["save"]["bytes"] / 1e9 / m["save"]["export_s"]},
             "reward_mean": stats.get("reward_mean"),
@@ -227,7 +237,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))
     print("  positions (padded)   ", col("train", "positions", "{:>9d}"))
     print("  imports s            ", col("train", "import_s", "{:>9.1f}"))
-    print("  startup s (after imports)", col("train", "startup_s", "{:>9.1f}"))
+    print("  engine start-up s    ", col("train", "startup_s", "{:>9.1f}"))
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
     print("  tokens/s (all GPUs)  ", col("train", "tokens_per_s", "{:>9.0f}"))
@@ -238,18 +248,42 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
           "for training, + a reference forward with KL)")
     print(f"  MFU = 6 * N * tokens / (train_s * n_gpus * peak), N = {n_params:,} non-embedding parameters, "
           f"peak = {peak:.3g} FLOP/s per GPU; attention-score FLOPs not counted")
+    ckpt_bytes = checkpoint_bytes(run_dir)
+    if ckpt_bytes:
+        print(f"  checkpoint GB/s       ", "  ".join(f"{ckpt_bytes / 1e9 / r['train']['checkpoint_s']:>9.2f}"
+                                                   for r in per_it), f"  ({ckpt_bytes / 1e9:.2f} GB per checkpoint)")
+    order = ("import_deepspeed", "read_train_set", "process_group", "load_models", "deepspeed_initialize",
+             "resume_checkpoint", "barrier")  # as train runs them
+    phases = sorted(per_it[0]["train_phases"], key=lambda k: order.index(k) if k in order else len(order))
+    if phases:
+        print("  train start-up phases (s, slowest rank):")
+        for k in phases:
+            print(f"    {k:<22}", "  ".join(f"{r['train_phases'].get(k, 0.0):>9.1f}" for r in per_it))
     print("\nsave")
     print("  consolidate s        ", col("save", "consolidate_s", "{:>9.1f}"))
     print("  export s             ", col("save", "export_s", "{:>9.1f}"))
     print("  exported GB          ", "  ".join(f"{r['save']['bytes'] / 1e9:>9.2f}" for r in per_it))
     print("  export GB/s          ", col("save", "export_gb_per_s", "{:>9.2f}"))
     print("\nreward mean          ", "  ".join(f"{r['reward_mean']:>9.3f}" for r in per_it))
+    print("\nstart-up per stage: process start to first useful work (s)")
+    for stage in ("generate", "train", "save"):
+        print(f"  {stage:<21}", "  ".join(f"{r['startup_s'][stage]:>9.1f}" for r in per_it))
+    print("\nnon-compute share of the iteration: 1 - (sampling + update) / sum of stage wall times")
+    shares = [1 - r["compute_s"] / sum(r["wall_s"].values()) for r in per_it]
+    print("  share                ", "  ".join(f"{x:>9.1%}" for x in shares), f"  | mean {fmean(shares):.1%}")
     stage_total = sum(sum(r["wall_s"].values()) for r in per_it)
     if wall is not None:
         print(f"\nwhole run {wall:.1f}s: stages {stage_total:.1f}s, coordinator and base-model creation "
               f"{wall - stage_total:.1f}s")
-    return {"run_dir": str(run_dir), "non_embedding_params": n_params, "params": n_total, "peak_flops": peak,
+    return {"run_dir": str(run_dir), "non_embedding_params": n_params, "non_compute_share": shares,
+            "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak,
             "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
+
+
+def checkpoint_bytes(run_dir: Path) -> int:
+    """Size of the newest DeepSpeed checkpoint left (older ones are pruned; every one is the same size)."""
+    tags = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if p.is_dir())
+    return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) if tags else 0
 
 
 def load_check(run_dir: Path, iterations: int) -> dict:
