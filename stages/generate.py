@@ -2,7 +2,10 @@
 
 Writes iter_I/generate/rank_K.jsonl: one row per completion with prompt and completion token ids,
 text, and per-token log-probabilities of the sampled tokens under the policy at the sampling
-temperature (the "old" log-probs of the PPO ratio). With top_p < 1 the sampler draws from a
+temperature (the "old" log-probs of the PPO ratio). They come from one forward pass over each
+finished sequence, the same pass train runs (stages/common/batches.py), rather than from the logits
+of every decoding step: keeping those would cost batch x new tokens x vocabulary floats (67 GB for
+256 sequences x 512 tokens with a 128k vocabulary). With top_p < 1 the sampler draws from a
 truncated distribution; the recorded log-probs are still the policy's, which is what train recomputes.
 """
 
@@ -14,11 +17,12 @@ import time
 
 import torch
 
+from stages.common.batches import completion_logprobs
 from stages.common.data import iteration_prompts, load_problems, shard
 from stages.common.logs import Progress
 from stages.common.markers import write_jsonl_atomic
 from stages.common.memory import release_cached_memory
-from stages.common.modeling import device_for, load_policy, load_tokenizer, set_cpu_threads, token_logprobs
+from stages.common.modeling import device_for, load_policy, load_tokenizer, set_cpu_threads
 from stages.common.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.generate")
@@ -82,16 +86,13 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
     # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
     enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True,
                     padding_side="left", add_special_tokens=False).to(device)
-    out = model.generate(
+    sequences = model.generate(
         **enc, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
         max_new_tokens=g.max_new_tokens, num_return_sequences=g.attempts,
-        return_dict_in_generate=True, output_logits=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **CACHE_ARGS[g.cache],
     )
     prompt_len = enc["input_ids"].shape[1]
-    completions = out.sequences[:, prompt_len:]
-    logits = torch.stack(out.logits, dim=1)  # [B*attempts, T, V], raw (before temperature)
-    logprobs = token_logprobs(logits, completions, g.temperature)
+    completions = sequences[:, prompt_len:]
     # The prompts without their left padding, once per prompt.
     prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     rows = []
@@ -110,9 +111,10 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
             "prompt_ids": prompt_ids[j // g.attempts],
             "completion_ids": ids[:n],
             "completion": tokenizer.decode(ids[:n], skip_special_tokens=True),
-            "logprobs": [round(x, 6) for x in logprobs[j, :n].tolist()],
             "truncated": tokenizer.eos_token_id not in ids[:n],
         })
+    for r, logprobs in zip(rows, completion_logprobs(model, rows, g.temperature, device)):
+        r["logprobs"] = [round(x, 6) for x in logprobs]
     return rows
 
 

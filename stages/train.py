@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from stages.common import dist, flops, markers
+from stages.common.batches import collate, sequence_logprobs
 from stages.common.loss import ppo_clip_loss
 from stages.common.logs import Phases, Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
 from stages.common.memory import release_cached_memory
-from stages.common.modeling import device_for, load_policy, set_cpu_threads, token_logprobs
+from stages.common.modeling import device_for, load_policy, set_cpu_threads
 from stages.common.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
@@ -238,17 +239,6 @@ def micro_step(engine, ref, batch: dict, t, temperature: float):
     return loss, metrics
 
 
-def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """Log-probs of tokens 1.. of each row under `model`: [B, T - 1].
-
-    Rows are right-padded and attention is causal, so no real token can attend to padding: the
-    attention mask would change only the padding's own outputs, which the loss masks out. Leaving it
-    out lets SDPA run its fused causal kernel instead of a masked one.
-    """
-    logits = model(input_ids=batch["input_ids"]).logits
-    return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
-
-
 def rank_micro_batches(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[dict | None]]:
     """This rank's micro-batches, the same count on every rank (a rank that ran out would hang the others).
 
@@ -263,34 +253,6 @@ def rank_micro_batches(rows: list[dict], ctx: StageContext, global_batch: int) -
         padded = order + [None] * (-len(order) % global_batch)
         mine = padded[ctx.rank::ctx.world_size]
         out += [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
-    return out
-
-
-def collate(micro: list[dict | None], device) -> dict:
-    """Right-padded prompt+completion ids, with a mask over the completion tokens (shifted by one)."""
-    real = [r for r in micro if r is not None] or [None]
-    seqs = [(r["prompt_ids"] + r["completion_ids"]) if r else [0, 0] for r in real]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(real), width, dtype=torch.long)
-    attn = torch.zeros(len(real), width, dtype=torch.long)
-    mask = torch.zeros(len(real), width - 1)
-    old = torch.zeros(len(real), width - 1)
-    adv = torch.zeros(len(real))
-    for i, (r, s) in enumerate(zip(real, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        if r is None:
-            continue
-        p, c = len(r["prompt_ids"]), len(r["completion_ids"])
-        # Position j of the shifted targets predicts token j + 1: completion tokens are p .. p + c - 1.
-        mask[i, p - 1:p - 1 + c] = 1
-        old[i, p - 1:p - 1 + c] = torch.tensor(r["logprobs"])
-        adv[i] = r["advantage"]
-    out = {k: v.to(device) for k, v in
-           dict(input_ids=ids, attention_mask=attn, mask=mask, old_logp=old, advantages=adv).items()}
-    # Counted here, on the host, so that bookkeeping never waits for the GPU.
-    out["lengths"] = [len(s) for r, s in zip(real, seqs) if r is not None]
-    out["tokens"] = sum(len(r["completion_ids"]) for r in real if r is not None)
     return out
 
 

@@ -10,7 +10,7 @@ from stages.common.config import GenerateConfig
 from stages.common.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.common.tiny_model import create_base_model
 from stages.generate import sample_batch, sample_seed
-from stages.train import collate, sequence_logprobs
+from stages.common.batches import collate, sequence_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +59,18 @@ def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache):
     # Right padding under causal attention: the mask changes nothing the loss reads.
     with_mask = token_logprobs(masked[:, :-1], batch["input_ids"][:, 1:], temperature)
     assert torch.allclose(logp[mask], with_mask[mask], atol=1e-5)
+
+
+def test_completion_logprobs_do_not_depend_on_how_rows_are_batched(policy, monkeypatch):
+    import stages.common.batches as batches
+
+    model, _ = policy
+    rows = sample(policy, 2, GenerateConfig(attempts=3, max_new_tokens=6))
+    whole = batches.completion_logprobs(model, rows, 1.0, torch.device("cpu"))
+    widest = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    monkeypatch.setattr(batches, "LOGIT_BUDGET", 2 * widest * model.config.vocab_size)  # 1-2 rows per pass
+    chunked = batches.completion_logprobs(model, rows, 1.0, torch.device("cpu"))
+    assert [len(x) for x in chunked] == [len(r["completion_ids"]) for r in rows]
+    for a, b in zip(whole, chunked):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert [r["logprobs"] for r in rows] == [[round(x, 6) for x in a] for a in whole]

@@ -1,6 +1,6 @@
 """Benchmark: the train stage's update step alone, at a fixed sequence length, across DeepSpeed setups.
 
-Runs syncrl's own micro-step (stages.train.collate + micro_step: forward, PPO-clip loss, backward,
+Runs syncrl's own micro-step (stages.common.batches.collate + stages.train.micro_step: forward, PPO-clip loss, backward,
 then engine.step) on synthetic rollouts of exactly --seq tokens (128 prompt + the rest completion),
 one optimizer step per micro-batch, for each variant given, in one process group. Prints per variant:
 seconds per step, tokens/s over all GPUs, model FLOPs utilisation (formula printed, see
@@ -75,7 +75,8 @@ def main() -> int:
     from stages.common import flops
     from stages.common.modeling import device_for, load_policy
     from stages.common.tiny_model import create_base_model
-    from stages.train import collate, micro_step
+    from stages.common.batches import collate
+    from stages.train import micro_step
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = device_for(int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,0 +1,80 @@
+"""Batches of rollouts (prompt + completion token ids) and the policy's log-probs of their completions.
+
+One code path for both uses: generate records the log-probs of the tokens it sampled, and train
+recomputes them for the PPO ratio; both run the same right-padded forward pass, so the ratio starts
+at 1 up to kernel numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.common.modeling import token_logprobs
+
+# Logit elements per forward pass when generate scores its completions (2^30: 2 GB of bf16 logits).
+LOGIT_BUDGET = 1 << 30
+
+
+def collate(micro: list[dict | None], device) -> dict:
+    """Right-padded prompt+completion ids, with a mask over the completion tokens (shifted by one)."""
+    real = [r for r in micro if r is not None] or [None]
+    seqs = [(r["prompt_ids"] + r["completion_ids"]) if r else [0, 0] for r in real]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(real), width, dtype=torch.long)
+    attn = torch.zeros(len(real), width, dtype=torch.long)
+    mask = torch.zeros(len(real), width - 1)
+    old = torch.zeros(len(real), width - 1)
+    adv = torch.zeros(len(real))
+    for i, (r, s) in enumerate(zip(real, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attn[i, :len(s)] = 1
+        if r is None:
+            continue
+        p, c = len(r["prompt_ids"]), len(r["completion_ids"])
+        # Position j of the shifted targets predicts token j + 1: completion tokens are p .. p + c - 1.
+        mask[i, p - 1:p - 1 + c] = 1
+        # Train-set rows carry both; generate batches its rows before they have either.
+        if "logprobs" in r:
+            old[i, p - 1:p - 1 + c] = torch.tensor(r["logprobs"])
+        adv[i] = r.get("advantage", 0.0)
+    out = {k: v.to(device) for k, v in
+           dict(input_ids=ids, attention_mask=attn, mask=mask, old_logp=old, advantages=adv).items()}
+    # Counted here, on the host, so that bookkeeping never waits for the GPU.
+    out["lengths"] = [len(s) for r, s in zip(real, seqs) if r is not None]
+    out["tokens"] = sum(len(r["completion_ids"]) for r in real if r is not None)
+    return out
+
+
+def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """Log-probs of tokens 1.. of each row under `model`: [B, T - 1].
+
+    Rows are right-padded and attention is causal, so no real token can attend to padding: the
+    attention mask would change only the padding's own outputs, which the loss masks out. Leaving it
+    out lets SDPA run its fused causal kernel instead of a masked one.
+    """
+    logits = model(input_ids=batch["input_ids"]).logits
+    return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
+
+
+@torch.no_grad()
+def completion_logprobs(model, rows: list[dict], temperature: float, device) -> list[list[float]]:
+    """log p(completion token) under `model` for each row, a few rows per forward pass."""
+    out = []
+    vocab = model.config.vocab_size
+    i = 0
+    while i < len(rows):
+        width = len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"])
+        take = 1
+        while i + take < len(rows):
+            w = max(width, len(rows[i + take]["prompt_ids"]) + len(rows[i + take]["completion_ids"]))
+            if (take + 1) * w * vocab > LOGIT_BUDGET:
+                break
+            width, take = w, take + 1
+        chunk = rows[i:i + take]
+        batch = collate(chunk, device)
+        logp = sequence_logprobs(model, batch, temperature).cpu()
+        for j, r in enumerate(chunk):
+            p, c = len(r["prompt_ids"]), len(r["completion_ids"])
+            out.append(logp[j, p - 1:p - 1 + c].tolist())
+        i += take
+    return out
