@@ -71,13 +71,7 @@ def main(ctx: StageContext) -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       model_parameters=None if optimizer else model.parameters())
     if t.compile != "eager":
-        # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile
-        # per layer until dynamo gives up on the frame.
-        torch._dynamo.config.allow_unspec_int_on_nn_module = True
-        engine.compile(backend=t.compile)
-        if ref is not None:
-            ref = torch.compile(ref, backend=t.compile)
-        log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref is not None else "", t.compile)
+        ref = compile_models(engine, ref, t.compile)
     phases.done("deepspeed_initialize")
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
@@ -122,6 +116,18 @@ def main(ctx: StageContext) -> None:
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
     watchdog.stop()
     del hf_ds_config
+
+
+def compile_models(engine, ref, backend: str):
+    """torch.compile the policy (through DeepSpeed) and the reference; returns the compiled reference."""
+    # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile per
+    # layer until dynamo gives up on the frame.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    engine.compile(backend=backend)
+    if ref is not None:
+        ref = torch.compile(ref, backend=backend)
+    log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref is not None else "", backend)
+    return ref
 
 
 def load_reference(ctx: StageContext, device):

@@ -3,10 +3,11 @@
 Modes, all on the same model, prompts, batch and sampling settings, in one process:
 - eager: plain `model.generate` (growing cache, no extras): the baseline;
 - dynamic, static, compiled: syncrl's own `stages.generate.sample_batch` with that `generate.cache`
-  (it also returns the sampling log-probs).
+  (it also computes the sampled tokens' log-probs).
 Each mode runs in a fresh process, as a generate stage would: a first (cold) call, which also pays
-CUDA start-up, allocator growth and any compiling, then --repeats warm calls. Prints new tokens/s (up to end-of-sequence), decoded positions/s (sequences x the call's
-longest completion: every sequence of a call runs that many steps) and each mode's ratio to eager.
+CUDA start-up, allocator growth and any compiling, then --repeats warm calls. Prints new tokens/s
+(up to end-of-sequence), decoded positions/s (sequences x the call's longest completion: every
+sequence of a call runs that many steps) and each mode's ratio to eager.
 
     python tests/benchmarks/generate_cache.py [--preset small-llama] [--prompts 64] [--attempts 8]
                                               [--new-tokens 256] [--repeats 3] [--modes eager,dynamic,static,compiled]
@@ -60,13 +61,14 @@ def main() -> int:
         # A mode named twice shows what a second process gains from caches the first left (compiled code).
         label = mode if mode not in results else f"{mode}#{i}"
         r = results[label] = json.loads(lines[-1][len("RESULT "):])
-        print(f"  {label:<11} process start to first call done {r['first_call_done_s']:6.1f}s; cold call {r['cold_s']:6.2f}s "
-              f"{r['cold_new_per_s']:8.0f} new tok/s | warm {r['warm_s']:6.2f}s {r['warm_new_per_s']:8.0f} new tok/s "
-              f"{r['warm_positions_per_s']:9.0f} positions/s", flush=True)
+        print(f"  {label:<11} process start to first call done {r['first_call_done_s']:6.1f}s; "
+              f"cold call {r['cold_s']:6.2f}s {r['cold_new_per_s']:8.0f} new tok/s | warm {r['warm_s']:6.2f}s "
+              f"{r['warm_new_per_s']:8.0f} new tok/s {r['warm_positions_per_s']:9.0f} positions/s", flush=True)
     base = results.get("eager")
     if base:
         for mode, r in results.items():
-            print(f"{mode:<11} / eager: warm positions/s {r['warm_positions_per_s'] / base['warm_positions_per_s']:5.2f}x, "
+            warm = r["warm_positions_per_s"] / base["warm_positions_per_s"]
+            print(f"{mode:<11} / eager: warm positions/s {warm:5.2f}x, "
                   f"cold call {base['cold_s'] / r['cold_s']:5.2f}x faster")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
