@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import os
@@ -15,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from jobs.launchers import launcher_kind
+from jobs.launchers import group_problem, launcher_kind
 from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, load_config, to_dict
 from stages.common.data import read_jsonl_problems
 from stages.common.paths import RunPaths
@@ -33,6 +34,22 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
     problems += _check_deepspeed(cfg)
     problems += _check_sizes(cfg, world_size(cfg, launcher, env))
     problems += _check_resources(cfg, launcher, env)
+    problems += _check_generate_spread(cfg, launcher, env)
+    return problems
+
+
+def _check_generate_spread(cfg: RunConfig, launcher: str, env) -> list[str]:
+    gpp = cfg.generate.gpus_per_process
+    if gpp == 1:
+        return []
+    problems = []
+    name, n = ("ranks", cfg.ranks) if launcher_kind(launcher, env) == "local" else \
+        ("slurm.tasks_per_node", cfg.slurm.tasks_per_node)
+    if n % gpp:
+        problems.append(group_problem(name, n, gpp))
+    if importlib.util.find_spec("accelerate") is None:
+        problems.append(f"generate.gpus_per_process ({gpp}) splits the model with transformers' device_map, "
+                        "which needs the accelerate package: pip install accelerate")
     return problems
 
 

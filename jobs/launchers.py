@@ -51,6 +51,20 @@ class LaunchResult:
         return sorted(r for r, c in self.returncodes.items() if c != 0)
 
 
+# Stages that run one task per generate.gpus_per_process GPUs (score scores generate's shards one to one).
+GROUPED_STAGES = ("generate", "score")
+
+
+def group_size(stage: str, generate_group: int) -> int:
+    return generate_group if stage in GROUPED_STAGES else 1
+
+
+def group_problem(name: str, n: int, group: int) -> str:
+    return (f"{name} ({n}) is not a multiple of generate.gpus_per_process ({group}): each generate process "
+            f"takes {group} of a node's GPUs; set {name} to {max(group, n // group * group)} or "
+            f"generate.gpus_per_process to a divisor of {n}")
+
+
 def stage_command(paths: RunPaths, iteration: int, stage: str) -> list[str]:
     return [sys.executable, "-m", f"stages.{stage}", "--run-dir", str(paths.root), "--iteration", str(iteration)]
 
@@ -60,11 +74,23 @@ class LocalLauncher:
 
     name = "local"
 
-    def __init__(self, ranks: int):
+    def __init__(self, ranks: int, generate_group: int = 1):
+        if ranks % generate_group:
+            raise ValueError(group_problem("ranks", ranks, generate_group))
         self.ranks = ranks
+        self.generate_group = generate_group
 
     def ntasks(self, stage: str) -> int:
-        return self.ranks if stage in MULTI_RANK_STAGES else 1
+        return self.ranks // group_size(stage, self.generate_group) if stage in MULTI_RANK_STAGES else 1
+
+    def visible_gpus(self, stage: str, rank: int) -> str | None:
+        """CUDA_VISIBLE_DEVICES for a rank that spreads the model over several GPUs: its own slice."""
+        group = group_size(stage, self.generate_group)
+        if group == 1:
+            return None  # one GPU per rank, picked by local rank (stages/common/modeling.device_for)
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
+            else [str(i) for i in range(self.ranks)]
+        return ",".join(gpus[rank * group:(rank + 1) * group])
 
     def nodes(self) -> list[str]:
         return [socket.gethostname()]
@@ -83,6 +109,8 @@ class LocalLauncher:
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SYNCRL_NODE_ID="0",
                            SYNCRL_NUM_NODES="1", OMP_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
                 env[ATTEMPT_VAR] = str(attempt)
+                if (visible := self.visible_gpus(stage, rank)) is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = visible
                 with open(paths.rank_log(iteration, stage, attempt, rank), "ab") as out:
                     procs[rank] = subprocess.Popen(stage_command(paths, iteration, stage), stdout=out,
                                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -151,18 +179,22 @@ def free_port() -> int:
 class SrunLauncher:
     """Runs each stage as one `srun` job step inside the current allocation.
 
-    Multi-rank stages get `slurm.tasks_per_node` tasks on each node; gather and save one task.
+    Multi-rank stages get `slurm.tasks_per_node` tasks on each node (generate and score one per
+    `generate.gpus_per_process` of them); gather and save one task.
     MASTER_ADDR is the first host of the step's nodes; MASTER_PORT is derived from the job id,
     iteration and attempt, so a retried train step never meets the previous attempt's rendezvous.
     """
 
     name = "srun"
 
-    def __init__(self, slurm_cfg, env: dict | None = None):
+    def __init__(self, slurm_cfg, env: dict | None = None, generate_group: int = 1):
         from stages.common.dist import slurm_job_id
 
         env = os.environ if env is None else env
+        if slurm_cfg.tasks_per_node % generate_group:
+            raise ValueError(group_problem("slurm.tasks_per_node", slurm_cfg.tasks_per_node, generate_group))
         self.cfg = slurm_cfg
+        self.generate_group = generate_group
         self.job_id = slurm_job_id(env)
         if self.job_id is None:
             raise RuntimeError("SrunLauncher needs a SLURM allocation (SLURM_JOB_ID is not set): "
@@ -170,8 +202,13 @@ class SrunLauncher:
         self.hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
         self.num_nodes = min(self.cfg.nodes or len(self.hosts), len(self.hosts))
 
+    def tasks_per_node(self, stage: str) -> int:
+        if stage not in MULTI_RANK_STAGES:
+            return 1
+        return self.cfg.tasks_per_node // group_size(stage, self.generate_group)
+
     def ntasks(self, stage: str) -> int:
-        return self.num_nodes * self.cfg.tasks_per_node if stage in MULTI_RANK_STAGES else 1
+        return self.num_nodes * self.tasks_per_node(stage) if stage in MULTI_RANK_STAGES else 1
 
     def nodes(self) -> list[str]:
         return self.hosts[:self.num_nodes]
@@ -181,17 +218,18 @@ class SrunLauncher:
         nodes = self.num_nodes if multi else 1
         log_pattern = paths.logs(iteration, stage, attempt) / "rank_%5t.log"
         cmd = ["srun", f"--nodes={nodes}", f"--ntasks={self.ntasks(stage)}",
-               f"--ntasks-per-node={self.cfg.tasks_per_node if multi else 1}",
+               f"--ntasks-per-node={self.tasks_per_node(stage)}",
                f"--nodelist={','.join(self.hosts[:nodes])}", "--kill-on-bad-exit=1",
                f"--job-name=syncrl-{stage}-{iteration:05d}", f"--output={log_pattern}", f"--error={log_pattern}",
                "--open-mode=append",
                # Under `syncrl submit` the coordinator itself runs in a step on the first node;
                # stage steps must be allowed to share that node's resources with it.
                "--overlap"]
+        group = group_size(stage, self.generate_group)  # a grouped task takes its ranks' GPUs and CPUs
         if multi and self.cfg.gpus_per_task:
-            cmd.append(f"--gpus-per-task={self.cfg.gpus_per_task}")
+            cmd.append(f"--gpus-per-task={self.cfg.gpus_per_task * group}")
         if self.cfg.cpus_per_task:
-            cmd.append(f"--cpus-per-task={self.cfg.cpus_per_task}")
+            cmd.append(f"--cpus-per-task={self.cfg.cpus_per_task * group}")
         cmd += self.cfg.srun_args.split()
         cmd += stage_command(paths, iteration, stage)
         env = dict(os.environ, MASTER_ADDR=self.hosts[0], PYTHONUNBUFFERED="1",
@@ -293,4 +331,7 @@ def launcher_kind(kind: str, env=None) -> str:
 
 
 def make_launcher(kind: str, cfg):
-    return SrunLauncher(cfg.slurm) if launcher_kind(kind) == "srun" else LocalLauncher(cfg.ranks)
+    group = cfg.generate.gpus_per_process
+    if launcher_kind(kind) == "srun":
+        return SrunLauncher(cfg.slurm, generate_group=group)
+    return LocalLauncher(cfg.ranks, group)

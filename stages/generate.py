@@ -42,7 +42,10 @@ def main(ctx: StageContext) -> None:
     device = device_for(ctx.info.local_rank)
     t0 = time.time()
     tokenizer = load_tokenizer(ctx.tokenizer_path())
-    model = load_policy(ctx.policy_path(), cfg.model.dtype, device).eval()
+    spread = cfg.generate.gpus_per_process > 1
+    model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread).eval()
+    if spread:
+        device = model.device  # where the first layers live: inputs go there
     load_s = time.time() - t0
     log.info("loaded %s on %s in %.1fs", ctx.policy_path(), device, load_s)
 

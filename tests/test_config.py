@@ -72,3 +72,14 @@ def test_hash_ignores_how_not_what():
     assert config_hash(a) == config_hash(b)
     assert config_hash(a) != config_hash(c)
     assert config_diff(to_dict(a), to_dict(c)) == ["train.lr: 0.001 -> 0.5"]
+
+
+def test_hash_leaves_out_values_at_their_default():
+    # A run made before an option existed stays valid once the option appears at its default.
+    plain = load_config(None, ["train.lr=0.5"])
+    explicit = load_config(None, ["train.lr=0.5", "generate.gpus_per_process=1", "train.compile=eager"])
+    changed = load_config(None, ["train.lr=0.5", "train.compile=aot_eager"])
+    assert config_hash(plain) == config_hash(explicit) != config_hash(changed)
+    import hashlib
+    empty = hashlib.sha256(b"{}").hexdigest()[:16]
+    assert config_hash(load_config(None, ["run_dir=/r", "iterations=9"])) == empty  # nothing at a default counts

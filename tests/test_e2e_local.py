@@ -168,3 +168,18 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer(tmp_path):
     assert any(s["kl"] > 0 for s in steps)  # the policy moved away from the reference in iteration 0
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00001")
+
+
+def test_generate_spread_over_two_ranks_slots(tmp_path):
+    # generate.gpus_per_process=2: one generate (and score) process takes both rank slots; train keeps 2 ranks.
+    run = tmp_path / "run"
+    proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1", *SMALL,
+                  "generate.gpus_per_process=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    it = run / "iter_00000"
+    assert [p.name for p in sorted((it / "generate").glob("rank_*.jsonl"))] == ["rank_00000.jsonl"]
+    assert [p.name for p in sorted((it / "score").glob("rank_*.jsonl"))] == ["rank_00000.jsonl"]
+    rows = (it / "generate" / "rank_00000.jsonl").read_text().splitlines()
+    assert len(rows) == 8 * 4  # every prompt of the iteration x attempts, in the one shard
+    markers = json.loads((it / "markers" / "train.done").read_text())
+    assert markers["world_size"] == 2 and json.loads((it / "markers" / "generate.done").read_text())["world_size"] == 1

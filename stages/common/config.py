@@ -70,9 +70,14 @@ class GenerateConfig:
     # cache plus HF's torch.compile of the decode step on GPU (CUDA graphs; compiling costs time on a
     # process's first call; on CPU it is the static cache alone).
     cache: str = "dynamic"
+    # GPUs one generate process spreads the model over (transformers' device_map: its layers split
+    # across them, run in turn), for models too large for one GPU. 1: one process per GPU, each with
+    # the whole model. Generate and score then run tasks_per_node / gpus_per_process tasks per node.
+    gpus_per_process: int = 1
 
     def __post_init__(self):
         _positive("generate.attempts", self.attempts)
+        _positive("generate.gpus_per_process", self.gpus_per_process)
         _positive("generate.max_new_tokens", self.max_new_tokens)
         _positive("generate.batch_size", self.batch_size)
         if not self.temperature > 0:
@@ -282,9 +287,24 @@ def to_dict(cfg) -> dict:
 
 
 def config_hash(cfg: RunConfig) -> str:
-    """Hash of what the run computes; keys in NON_SEMANTIC_KEYS are left out."""
-    d = {k: v for k, v in to_dict(cfg).items() if k not in NON_SEMANTIC_KEYS}
+    """Hash of what the run computes; keys in NON_SEMANTIC_KEYS are left out, and so is every key at
+    its default value: an option added to syncrl later (with a default that keeps the old behaviour)
+    then leaves the markers of runs made before it valid, so upgrading mid-run redoes nothing."""
+    defaults = to_dict(RunConfig(run_dir="-"))
+    d = _without_defaults({k: v for k, v in to_dict(cfg).items() if k not in NON_SEMANTIC_KEYS}, defaults)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _without_defaults(d: dict, defaults: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and isinstance(defaults.get(k), dict):
+            sub = _without_defaults(v, defaults[k])
+            if sub:
+                out[k] = sub
+        elif k not in defaults or v != defaults[k]:
+            out[k] = v
+    return out
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:

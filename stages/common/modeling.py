@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -38,18 +39,32 @@ def load_tokenizer(path: Path):
     return tok
 
 
-def load_policy(path: Path, dtype: str, device: torch.device | None = None):
+def load_policy(path: Path, dtype: str, device: torch.device | None = None, spread: bool = False):
+    """The HF model at `path`: on the host (device None), on `device`, or with `spread` on GPU, its
+    layers split over every GPU this process sees (transformers' device_map="auto")."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json (not an HF model)")
-    # On GPU the weights go from the safetensors files straight to device memory, not through a CPU copy.
     on_gpu = device is not None and device.type == "cuda"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
-                                                 **({"device_map": {"": str(device)}} if on_gpu else {}))
-    if device is not None and not on_gpu:
+    kwargs = {}
+    if on_gpu and spread:
+        if not has_accelerate():
+            raise RuntimeError("generate.gpus_per_process > 1 splits the model with transformers' device_map, "
+                               "which needs the accelerate package: pip install accelerate")
+        kwargs["device_map"] = "auto"
+    elif on_gpu and has_accelerate():
+        # The weights go from the safetensors files straight to device memory, not through a CPU copy.
+        kwargs["device_map"] = {"": str(device)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
+    if device is not None and "device_map" not in kwargs:
         model.to(device)
     return model
+
+
+def has_accelerate() -> bool:
+    # transformers needs it for any device_map; without it a model loads on the host and is moved.
+    return importlib.util.find_spec("accelerate") is not None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

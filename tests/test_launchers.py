@@ -1,0 +1,44 @@
+"""How launchers size and place each stage's tasks, including generate processes that span several GPUs."""
+
+import shutil
+
+import pytest
+
+from jobs.launchers import LocalLauncher, SrunLauncher, make_launcher
+from stages.common.config import SlurmConfig, load_config
+from stages.common.paths import RunPaths
+
+
+def test_local_generate_groups_take_a_slice_of_the_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    launcher = LocalLauncher(4, generate_group=2)
+    assert [launcher.ntasks(s) for s in ("generate", "score", "gather", "train", "save")] == [2, 2, 1, 4, 1]
+    assert [launcher.visible_gpus("generate", r) for r in (0, 1)] == ["4,5", "6,7"]
+    assert launcher.visible_gpus("train", 3) is None  # one GPU per train rank, chosen by local rank
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs scontrol to expand the nodelist")
+def test_srun_generate_groups_get_their_gpus_and_cpus(tmp_path):
+    cfg = SlurmConfig(tasks_per_node=8, gpus_per_task=1, cpus_per_task=4)
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1,n2"}
+    launcher = SrunLauncher(cfg, env=env, generate_group=4)
+    paths = RunPaths(tmp_path)
+    gen, _ = launcher.command(paths, 0, "generate", 1)
+    train, _ = launcher.command(paths, 0, "train", 1)
+    assert {"--ntasks=4", "--ntasks-per-node=2", "--gpus-per-task=4", "--cpus-per-task=16"} <= set(gen)
+    assert {"--ntasks=16", "--ntasks-per-node=8", "--gpus-per-task=1", "--cpus-per-task=4"} <= set(train)
+    assert launcher.ntasks("score") == 4
+
+
+def test_group_must_divide_the_ranks_per_node():
+    from jobs.check import check
+
+    cfg = load_config(None, ["run_dir=/tmp/x", "ranks=3", "generate.gpus_per_process=2", "slurm.tasks_per_node=8"])
+    problems = check(cfg, "local", env={})
+    assert any("ranks (3) is not a multiple of generate.gpus_per_process (2)" in p and "set ranks to 2" in p
+               for p in problems), problems
+    with pytest.raises(ValueError, match="ranks \\(3\\) is not a multiple"):
+        make_launcher("local", cfg)
+    cfg = load_config(None, ["run_dir=/tmp/x", "ranks=4", "generate.gpus_per_process=2"])
+    assert make_launcher("local", cfg).ntasks("generate") == 2
+    assert not [p for p in check(cfg, "local", env={}) if "gpus_per_process" in p]
