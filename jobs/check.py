@@ -265,12 +265,12 @@ def _check_resources(cfg: RunConfig, launcher: str, env) -> list[str]:
         if s.nodes > nodes:
             problems.append(f"slurm.nodes ({s.nodes}) exceeds the allocation's {nodes} nodes: "
                             f"sbatch --nodes={s.nodes}, or lower slurm.nodes")
-        cpus = _first_int(env.get("SLURM_CPUS_ON_NODE"))
+        cpus = first_int(env.get("SLURM_CPUS_ON_NODE"))
         need = s.tasks_per_node * max(s.cpus_per_task, 1)
         if cpus and need > cpus:
             problems.append(f"slurm.tasks_per_node x cpus_per_task ({need}) exceeds the {cpus} CPUs per node of "
                             "this allocation: lower them or ask for bigger nodes")
-        gpus = _first_int(env.get("SLURM_GPUS_ON_NODE"))
+        gpus = first_int(env.get("SLURM_GPUS_ON_NODE"))
         if gpus is not None and s.gpus_per_task * s.tasks_per_node > gpus:
             problems.append(f"slurm.tasks_per_node x gpus_per_task ({s.gpus_per_task * s.tasks_per_node}) exceeds "
                             f"the {gpus} GPUs per node of this allocation")
@@ -283,7 +283,8 @@ def _check_resources(cfg: RunConfig, launcher: str, env) -> list[str]:
     return []
 
 
-def _first_int(value) -> int | None:
+def first_int(value) -> int | None:
+    """The leading integer of a SLURM count such as `48(x2)` or `4,4`; None if there is none."""
     try:
         return int(str(value).split("(")[0].split(",")[0])
     except (TypeError, ValueError):

@@ -17,7 +17,7 @@ import time
 
 import filelock
 
-from jobs.check import resolve_paths
+from jobs.check import first_int, resolve_paths
 from jobs.metrics import MetricsLog
 from stages.common import markers
 from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, dump_config, load_config, to_dict
@@ -28,6 +28,13 @@ from stages.common.stage import base_model_id
 log = logging.getLogger("syncrl.coordinator")
 
 LOG_TAIL_LINES = 15
+
+# Started early, when the key stage starts: (iterations ahead, stage, the stage whose marker it waits
+# for, iterations ahead of that). Score and gather start in well under a second: not worth it.
+START_EARLY = {
+    "generate": [(0, "train", "gather", 0)],
+    "train": [(0, "save", "train", 0), (1, "generate", "save", 0)],
+}
 
 
 class StageFailed(RuntimeError):
@@ -64,10 +71,13 @@ class Coordinator:
         self.paths = RunPaths(cfg.run_dir)
         self.chash = config_hash(cfg)
         self.metrics = MetricsLog(cfg)
+        self.early: dict[tuple[int, str], tuple[object, int]] = {}  # (it, stage) -> (started step, attempt)
+        self.start_early = False
 
     def run(self) -> None:
         with self._locked():
             t0 = time.time()
+            self.start_early = self._starts_early()
             for it in range(self.cfg.iterations):
                 self.run_iteration(it)
             log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
@@ -86,6 +96,9 @@ class Coordinator:
         try:
             yield
         finally:
+            for step, _ in self.early.values():
+                step.cancel()
+            self.early.clear()
             signal.signal(signal.SIGTERM, previous)
             self.metrics.close()
             lock.release()
@@ -129,6 +142,7 @@ class Coordinator:
         if marker is not None:
             log.info("iteration %d %-8s redoing: %s", it, stage, problem)
             markers.clear_stage(self.paths, it, stage)
+        self._start_successors_early(it, stage)
         launched = 0.0
         first_start = time.time()
         retry = self.cfg.retry
@@ -137,15 +151,61 @@ class Coordinator:
             lambda n, e: f"iteration {it} {stage} failed (attempt {n} of {retry.attempts}), retrying: {e}")
         for attempt_state in retrying:
             with attempt_state:
-                attempt = self.paths.attempts_so_far(it, stage) + 1
+                step, attempt = self._take_early(it, stage)
+                if step is None:
+                    attempt = self.paths.attempts_so_far(it, stage) + 1
                 self._write_state(it, stage, "running", attempt)
-                log.info("iteration %d %-8s launching attempt %d on %d task(s)", it, stage, attempt,
-                         self.launcher.ntasks(stage))
-                result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
+                log.info("iteration %d %-8s %s attempt %d on %d task(s)", it, stage,
+                         "started early:" if step else "launching", attempt, self.launcher.ntasks(stage))
+                if step is None:
+                    result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
+                else:
+                    result = step.wait(retry.stage_timeout_s)
                 launched += result.elapsed_s
                 self._check_attempt(it, stage, attempt, inputs, result)
         self._write_stage_marker(it, stage, inputs, first_start, attempt)
         return launched
+
+    def _starts_early(self) -> bool:
+        mode = self.cfg.start_early
+        if mode == "auto":
+            per_node = self.launcher.ntasks("train") // max(1, len(self.launcher.nodes()))
+            cores = first_int(os.environ.get("SLURM_CPUS_ON_NODE")) or len(os.sched_getaffinity(0))
+            mode = "always" if cores >= 3 * per_node else "never"
+            log.info("start_early=auto: %s (%d CPU cores per node, %d ranks per node)",
+                     "starting stages early" if mode == "always" else "not starting stages early", cores, per_node)
+        return mode == "always"
+
+    def _start_successors_early(self, it: int, stage: str) -> None:
+        """Start the stages that can load while this one runs (START_EARLY); each waits for its turn.
+
+        Only where neither the stage nor the marker it waits for exists yet: a leftover marker of an
+        earlier run could otherwise start it before its inputs are redone.
+        """
+        if not self.start_early:
+            return
+        for ahead, nxt, after, after_ahead in START_EARLY.get(stage, []):
+            it2 = it + ahead
+            if it2 >= self.cfg.iterations or (it2, nxt) in self.early:
+                continue
+            go = self.paths.markers(it + after_ahead) / markers.marker_name(after, None)
+            if go.exists() or any(self.paths.markers(it2).glob(f"{nxt}.*")):
+                continue
+            attempt = self.paths.attempts_so_far(it2, nxt) + 1
+            step = self.launcher.start(self.paths, it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
+            self.early[(it2, nxt)] = (step, attempt)
+            log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
+
+    def _take_early(self, it: int, stage: str):
+        """This stage's early-started step, if it is still alive and waiting; else (None, None)."""
+        step, attempt = self.early.pop((it, stage), (None, None))
+        if step is not None and not step.running():
+            # It ended before its turn (gave up waiting, or its node went away): start it afresh.
+            log.warning("iteration %d %-8s the early-started attempt %d ended before its turn; starting anew",
+                        it, stage, attempt)
+            step.wait(1)
+            return None, None
+        return step, attempt
 
     def _check_attempt(self, it: int, stage: str, attempt: int, inputs: str, result) -> None:
         n = self.launcher.ntasks(stage)

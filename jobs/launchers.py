@@ -65,8 +65,12 @@ def group_problem(name: str, n: int, group: int) -> str:
             f"generate.gpus_per_process to a divisor of {n}")
 
 
-def stage_command(paths: RunPaths, iteration: int, stage: str) -> list[str]:
-    return [sys.executable, "-m", f"stages.{stage}", "--run-dir", str(paths.root), "--iteration", str(iteration)]
+def stage_command(paths: RunPaths, iteration: int, stage: str, after=None) -> list[str]:
+    """The stage's command line; `after` = (file, timeout_s) starts it early (it waits for the file)."""
+    cmd = [sys.executable, "-m", f"stages.{stage}", "--run-dir", str(paths.root), "--iteration", str(iteration)]
+    if after is not None:
+        cmd += ["--after", str(after[0]), "--after-timeout", str(after[1])]
+    return cmd
 
 
 class LocalLauncher:
@@ -96,13 +100,16 @@ class LocalLauncher:
         return [socket.gethostname()]
 
     def launch(self, paths: RunPaths, iteration: int, stage: str, attempt: int, timeout_s: float = 0) -> LaunchResult:
+        return self.start(paths, iteration, stage, attempt).wait(timeout_s)
+
+    def start(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> "LocalStep":
+        """Start the stage's ranks and return at once (see stage_command for `after`)."""
         n = self.ntasks(stage)
         logs = paths.logs(iteration, stage, attempt)
         logs.mkdir(parents=True, exist_ok=True)
         port = free_port()
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n))
-        procs = {}
-        start = time.time()
+        step = LocalStep({}, time.time())
         try:
             for rank in range(n):
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
@@ -112,16 +119,38 @@ class LocalLauncher:
                 if (visible := self.visible_gpus(stage, rank)) is not None:
                     env["CUDA_VISIBLE_DEVICES"] = visible
                 with open(paths.rank_log(iteration, stage, attempt, rank), "ab") as out:
-                    procs[rank] = subprocess.Popen(stage_command(paths, iteration, stage), stdout=out,
-                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                                   preexec_fn=_die_with_parent)
-            codes, timed_out = wait_all(procs, timeout_s)
+                    step.procs[rank] = subprocess.Popen(stage_command(paths, iteration, stage, after), stdout=out,
+                                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                                        preexec_fn=_die_with_parent)
+        except BaseException:
+            step.cancel()
+            raise
+        return step
+
+
+@dataclass
+class LocalStep:
+    """A started stage attempt on this machine."""
+
+    procs: dict[int, subprocess.Popen]
+    started: float
+
+    def running(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def wait(self, timeout_s: float = 0) -> LaunchResult:
+        start = time.time()
+        try:
+            codes, timed_out = wait_all(self.procs, timeout_s)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    _kill(p)
+            self.cancel()
         host = socket.gethostname()
-        return LaunchResult(codes, time.time() - start, timed_out, {r: host for r in procs})
+        return LaunchResult(codes, time.time() - start, timed_out, {r: host for r in self.procs})
+
+    def cancel(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                _kill(p)
 
 
 def wait_all(procs: dict[int, subprocess.Popen], timeout_s: float) -> tuple[dict[int, int], bool]:
@@ -213,7 +242,7 @@ class SrunLauncher:
     def nodes(self) -> list[str]:
         return self.hosts[:self.num_nodes]
 
-    def command(self, paths: RunPaths, iteration: int, stage: str, attempt: int) -> tuple[list[str], dict]:
+    def command(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> tuple[list[str], dict]:
         multi = stage in MULTI_RANK_STAGES
         nodes = self.num_nodes if multi else 1
         log_pattern = paths.logs(iteration, stage, attempt) / "rank_%5t.log"
@@ -231,7 +260,7 @@ class SrunLauncher:
         if self.cfg.cpus_per_task:
             cmd.append(f"--cpus-per-task={self.cfg.cpus_per_task * group}")
         cmd += self.cfg.srun_args.split()
-        cmd += stage_command(paths, iteration, stage)
+        cmd += stage_command(paths, iteration, stage, after)
         env = dict(os.environ, MASTER_ADDR=self.hosts[0], PYTHONUNBUFFERED="1",
                    MASTER_PORT=str(derived_port(self.job_id, iteration, attempt, stage)))
         env[ATTEMPT_VAR] = str(attempt)
@@ -242,26 +271,47 @@ class SrunLauncher:
         return cmd, env
 
     def launch(self, paths: RunPaths, iteration: int, stage: str, attempt: int, timeout_s: float = 0) -> LaunchResult:
+        return self.start(paths, iteration, stage, attempt).wait(timeout_s)
+
+    def start(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> "SrunStep":
+        """Start the stage's step and return at once (see stage_command for `after`)."""
         paths.logs(iteration, stage, attempt).mkdir(parents=True, exist_ok=True)  # srun will not create it
-        cmd, env = self.command(paths, iteration, stage, attempt)
+        cmd, env = self.command(paths, iteration, stage, attempt, after)
         log.debug("launching: %s", " ".join(cmd))
-        start = time.time()
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
                                 stderr=subprocess.PIPE, text=True, errors="replace")
         messages: list[str] = []
         reader = threading.Thread(target=_relay_srun_messages, args=(proc.stderr, messages), daemon=True)
         reader.start()
+        return SrunStep(proc, reader, messages, self.ntasks(stage), time.time())
+
+
+@dataclass
+class SrunStep:
+    """A started `srun` step; srun reports one exit code and names failed tasks in its messages."""
+
+    proc: subprocess.Popen
+    reader: threading.Thread
+    messages: list[str]
+    ntasks: int
+    started: float
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout_s: float = 0) -> LaunchResult:
+        start = time.time()
+        proc = self.proc
         try:
             code, timed_out = proc.wait(timeout_s or None), False
         except subprocess.TimeoutExpired:
             _kill(proc)
             code, timed_out = proc.wait(), True
         finally:
-            if proc.poll() is None:
-                _kill(proc)  # srun forwards the signal and ends the step on every node
-        reader.join(timeout=10)
-        n = self.ntasks(stage)
-        culprits = first_failed_tasks(messages)
+            self.cancel()
+        self.reader.join(timeout=10)
+        n = self.ntasks
+        culprits = first_failed_tasks(self.messages)
         if code == 0 or not culprits:
             # srun reports one exit code for the step; without its per-task message the coordinator
             # names failed ranks from their missing markers.
@@ -269,6 +319,10 @@ class SrunLauncher:
         codes = {r: culprits.get(r, (0, ""))[0] for r in range(n)}
         hosts = {r: h for r, (_, h) in culprits.items()}
         return LaunchResult(codes, time.time() - start, timed_out, hosts=hosts)
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            _kill(self.proc)  # srun forwards the signal and ends the step on every node
 
 
 SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")

@@ -22,7 +22,7 @@ from stages.common.data import iteration_prompts, load_problems, shard
 from stages.common.logs import Progress
 from stages.common.markers import write_jsonl_atomic
 from stages.common.memory import release_cached_memory
-from stages.common.modeling import device_for, load_policy, load_tokenizer, set_cpu_threads
+from stages.common.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.common.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.generate")
@@ -122,4 +122,4 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
 
 
 if __name__ == "__main__":
-    run_stage("generate", main)
+    run_stage("generate", main, preload=preload_model_code)

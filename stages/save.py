@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from stages.common import markers
-from stages.common.modeling import DTYPES, load_policy, load_tokenizer
+from stages.common.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
 from stages.common.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
@@ -52,6 +52,13 @@ def main(ctx: StageContext) -> None:
     pruned = prune(ctx)
     ctx.write_marker([target], extra={"bytes": size, "consolidate_s": consolidate_s, "export_s": export_s,
                                        "pruned": pruned, "prunable": [f"models/{target.name}/"]})
+
+
+def preload(cfg, paths) -> None:
+    """What a save process imports before it can start (for a process started early)."""
+    import deepspeed.utils.zero_to_fp32  # noqa: F401 (the import is the point)
+
+    preload_model_code(cfg, paths)
 
 
 def consolidate(checkpoint_dir: Path, tag: str) -> dict:
@@ -120,4 +127,4 @@ def prune(ctx: StageContext) -> list[str]:
 
 
 if __name__ == "__main__":
-    run_stage("save", main)
+    run_stage("save", main, preload=preload)

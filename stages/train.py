@@ -22,7 +22,7 @@ from stages.common.loss import ppo_clip_loss
 from stages.common.logs import Phases, Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
 from stages.common.memory import release_cached_memory
-from stages.common.modeling import device_for, load_policy, set_cpu_threads
+from stages.common.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.common.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
@@ -116,6 +116,13 @@ def main(ctx: StageContext) -> None:
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
     watchdog.stop()
     del hf_ds_config
+
+
+def preload(cfg, paths) -> None:
+    """What a train process imports before it can start (for a process started early)."""
+    import deepspeed  # noqa: F401 (the import is the point)
+
+    preload_model_code(cfg, paths)
 
 
 def compile_models(engine, ref, backend: str):
@@ -303,4 +310,4 @@ def _all_reduce_sums(totals: dict, device) -> dict:
 
 if __name__ == "__main__":
     # Every rank redoes train together: a half-finished process group cannot be resumed rank by rank.
-    run_stage("train", main, per_rank_skip=False)
+    run_stage("train", main, per_rank_skip=False, preload=preload)

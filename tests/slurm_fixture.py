@@ -135,7 +135,8 @@ def pid_gone(pid: int) -> bool:
 # Helpers for tests that run syncrl's own sbatch scripts.
 
 # The smallest real run: 8 prompts x 4 samples per iteration, quick retries.
-SMALL_RUN = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16",
+# start_early=always: the 2-core test machine would not start stages early on its own (auto).
+SMALL_RUN = ["start_early=always", "data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16",
              "retry.backoff_s=0.5"]
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 

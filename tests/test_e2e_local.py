@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small enough for CI's 2 cores: 8 prompts x 4 samples per iteration.
-SMALL = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16"]
+# start_early=always: the 2-core test machine would not start stages early on its own (auto).
+SMALL = ["start_early=always", "data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16"]
 
 
 def syncrl(*args, timeout=600):
@@ -48,6 +49,11 @@ def test_two_iterations_then_everything_skipped(tmp_path):
     w0, w1 = m0.state_dict(), m1.state_dict()
     assert any(not (w0[k] == w1[k]).all() for k in w0), "training changed no weight"
 
+    # train, save and the next generate were started early and waited for their turn; timings exclude the wait.
+    for it, stage in ((0, "train"), (0, "save"), (1, "generate"), (1, "train"), (1, "save")):
+        m = json.loads((run / f"iter_{it:05d}" / "markers" / f"{stage}.rank_00000.done").read_text())
+        assert m["started_early_waited_s"] > 0, (it, stage)
+    assert "started early (attempt 1): loading while generate runs" in proc.stderr
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
     assert train["world_size"] == 2 and train["steps"] >= 1
 
@@ -98,7 +104,7 @@ def test_killed_during_train_resumes_without_redoing_completed_stages(tmp_path):
     coord = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     train_log = run / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00000.log"
     deadline = time.monotonic() + 300
-    while not (train_log.is_file() and "train iteration 0" in train_log.read_text()):
+    while not (train_log.is_file() and "train iteration 0 attempt 1:" in train_log.read_text()):  # past any early wait
         assert coord.poll() is None, (tmp_path / "coordinator.log").read_text()
         assert time.monotonic() < deadline, "train never started"
         time.sleep(0.1)

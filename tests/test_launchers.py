@@ -42,3 +42,13 @@ def test_group_must_divide_the_ranks_per_node():
     cfg = load_config(None, ["run_dir=/tmp/x", "ranks=4", "generate.gpus_per_process=2"])
     assert make_launcher("local", cfg).ntasks("generate") == 2
     assert not [p for p in check(cfg, "local", env={}) if "gpus_per_process" in p]
+
+
+@pytest.mark.parametrize("cores,mode,expected", [("4", "auto", False), ("6", "auto", True), ("48(x2)", "auto", True),
+                                                 ("48", "never", False), ("1", "always", True)])
+def test_start_early_auto_needs_three_cores_per_rank(tmp_path, monkeypatch, cores, mode, expected):
+    from jobs.coordinator import Coordinator
+
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", cores)
+    cfg = load_config(None, [f"run_dir={tmp_path}", "ranks=2", f"start_early={mode}", "wandb.enabled=false"])
+    assert Coordinator(cfg, LocalLauncher(2))._starts_early() is expected

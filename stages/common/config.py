@@ -218,6 +218,12 @@ class RunConfig:
     iterations: int = 1
     seed: int = 0
     ranks: int = 2  # processes per multi-rank stage when launched locally
+    # Start generate, train and save processes while earlier stages still run, so that their imports
+    # and model code load meanwhile; each waits (at most start_early_wait_s) for the previous stage's
+    # marker before it reads anything. "auto": only where the machine has at least 3 CPU cores per
+    # rank, since the early imports compete with the running stage for the cores.
+    start_early: str = "auto"
+    start_early_wait_s: int = 21600
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -232,12 +238,14 @@ class RunConfig:
     def __post_init__(self):
         _positive("iterations", self.iterations)
         _positive("ranks", self.ranks)
+        _choice("start_early", self.start_early, ("auto", "always", "never"))
+        _positive("start_early_wait_s", self.start_early_wait_s)
         if not self.run_dir:
             raise ConfigError("run_dir is empty: set it in the config or as run_dir=PATH")
 
 
 # Keys that change how a run is executed but not what it computes: changing them on resume is fine.
-NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb")
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:

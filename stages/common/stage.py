@@ -40,6 +40,7 @@ class StageContext:
     inputs: str
     start: float = field(default_factory=time.time)
     summary: str = ""
+    waited_s: float = 0.0  # a process started early: time spent waiting for the previous stage
 
     def summarize(self, fmt: str, *args) -> None:
         """The stage's one-line result: logged here, and by the coordinator from the marker."""
@@ -82,14 +83,36 @@ class StageContext:
             self.paths, self.iteration, self.stage, self.rank, attempt=self.attempt, start=self.start,
             config_hash=self.config_hash, inputs=self.inputs,
             outputs=markers.outputs_record(outputs, self.paths.root),
-            extra={**(extra or {}), "memory": memory, "summary": self.summary, "import_s": _import_seconds(self)})
+            extra={**(extra or {}), "memory": memory, "summary": self.summary, "import_s": _import_seconds(self),
+                   **({"started_early_waited_s": self.waited_s} if self.waited_s else {})})
 
 
 def _import_seconds(ctx: StageContext) -> float:
-    """From process creation to the stage's start: interpreter start-up and imports."""
+    """From process creation to the stage's start: interpreter start-up and imports (for a process
+    started early, the time it spent waiting for its turn is not counted)."""
     import psutil
 
-    return max(0.0, ctx.start - psutil.Process().create_time())
+    return max(0.0, ctx.start - psutil.Process().create_time() - ctx.waited_s)
+
+
+def wait_for_turn(stage: str, args, preload) -> float | None:
+    """Preload, then wait for args.after; returns the seconds waited, or None on giving up."""
+    setup_logging(dist_info().tag)
+    t0 = time.time()
+    if preload is not None:
+        cfg = load_config(RunPaths(args.run_dir).config, args.overrides)
+        preload(cfg, RunPaths(args.run_dir))
+    log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", stage, args.iteration,
+             time.time() - t0, args.after)
+    t1 = time.time()
+    deadline = t1 + args.after_timeout
+    while not os.path.exists(args.after):
+        if time.time() > deadline:
+            log.warning("gave up waiting for %s after %.0fs; the coordinator starts this stage afresh",
+                        args.after, args.after_timeout)
+            return None
+        time.sleep(0.05)
+    return time.time() - t1
 
 
 def base_model_id(cfg: RunConfig) -> str:
@@ -119,16 +142,34 @@ def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
         log.error("could not write the failure record: %s", e)
 
 
-def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None) -> None:
-    """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns."""
+# Exit status of a stage process started early that gave up waiting for its turn: not a failure,
+# the coordinator starts the stage afresh.
+EXIT_GAVE_UP_WAITING = 75
+
+
+def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=None) -> None:
+    """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns.
+
+    With --after FILE the process was started early: it runs `preload(cfg, paths)` (the imports and
+    model code the stage will need), then waits for FILE (the previous stage's marker) before it
+    reads anything that stage writes.
+    """
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=main.__doc__)
     parser.add_argument("--run-dir", required=True, help="the run directory (holds config.yaml)")
     parser.add_argument("--iteration", type=int, required=True, help="RL iteration number, from 0")
+    parser.add_argument("--after", default=None, help="start early: wait for this file before working")
+    parser.add_argument("--after-timeout", type=float, default=3600.0, help="seconds to wait for --after")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
     args = parser.parse_args(argv)
     code, ctx = 1, None
     try:
+        waited = 0.0
+        if args.after:
+            waited = wait_for_turn(stage, args, preload)
+            if waited is None:
+                sys.exit(EXIT_GAVE_UP_WAITING)
         ctx = make_context(stage, args.run_dir, args.iteration, args.overrides)
+        ctx.waited_s = waited
         setup_logging(ctx.info.tag)
         log.info("%s iteration %d attempt %d: host=%s pid=%d rank=%d/%d local_rank=%d node=%d",
                  stage, ctx.iteration, ctx.attempt, ctx.info.host, os.getpid(), ctx.rank,

@@ -194,9 +194,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             "startup_s": {
                 # Process start to first useful work: sampling (generate), the first update (train),
                 # reading the checkpoint (save).
-                "generate": max(r.get("import_s", 0.0) + r["load_s"] for r in gen),
-                "train": max(r.get("import_s", 0.0) + r["startup_s"] for r in train),
-                "save": m["save"].get("import_s", 0.0),
+                "generate": max(visible_import_s(r) + r["load_s"] for r in gen),
+                "train": max(visible_import_s(r) + r["startup_s"] for r in train),
+                "save": visible_import_s(m["save"]),
             },
             "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
                              for k in train[0].get("startup_phases", {})},
@@ -265,7 +265,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  exported GB          ", "  ".join(f"{r['save']['bytes'] / 1e9:>9.2f}" for r in per_it))
     print("  export GB/s          ", col("save", "export_gb_per_s", "{:>9.2f}"))
     print("\nreward mean          ", "  ".join(f"{r['reward_mean']:>9.3f}" for r in per_it))
-    print("\nstart-up per stage: process start to first useful work (s)")
+    print("\nstart-up per stage: process start (or, started early, the end of its wait) to first useful work (s)")
     for stage in ("generate", "train", "save"):
         print(f"  {stage:<21}", "  ".join(f"{r['startup_s'][stage]:>9.1f}" for r in per_it))
     print("\nnon-compute share of the iteration: 1 - (sampling + update) / sum of stage wall times")
@@ -278,6 +278,12 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     return {"run_dir": str(run_dir), "non_embedding_params": n_params, "non_compute_share": shares,
             "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak,
             "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
+
+
+def visible_import_s(marker: dict) -> float:
+    """Imports on the stage's critical path: none for a process started early (it imported while
+    the previous stage ran, then waited)."""
+    return 0.0 if marker.get("started_early_waited_s") else marker.get("import_s", 0.0)
 
 
 def checkpoint_bytes(run_dir: Path) -> int:
