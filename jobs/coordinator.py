@@ -156,7 +156,7 @@ class Coordinator:
                     attempt = self.paths.attempts_so_far(it, stage) + 1
                 self._write_state(it, stage, "running", attempt)
                 log.info("iteration %d %-8s %s attempt %d on %d task(s)", it, stage,
-                         "started early:" if step else "launching", attempt, self.launcher.ntasks(stage))
+                         "started early:" if step is not None else "launching", attempt, self.launcher.ntasks(stage))
                 if step is None:
                     result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
                 else:
@@ -197,13 +197,13 @@ class Coordinator:
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
 
     def _take_early(self, it: int, stage: str):
-        """This stage's early-started step, if it is still alive and waiting; else (None, None)."""
+        """This stage's early-started step, if it is alive or already succeeded; else (None, None)."""
         step, attempt = self.early.pop((it, stage), (None, None))
-        if step is not None and not step.running():
-            # It ended before its turn (gave up waiting, or its node went away): start it afresh.
+        if step is not None and not step.running() and not step.wait(1).ok:
+            # It ended without success, most likely before its turn (it gave up waiting, or its node
+            # went away): start the stage afresh, without counting that as an attempt.
             log.warning("iteration %d %-8s the early-started attempt %d ended before its turn; starting anew",
                         it, stage, attempt)
-            step.wait(1)
             return None, None
         return step, attempt
 

@@ -52,3 +52,29 @@ def test_start_early_auto_needs_three_cores_per_rank(tmp_path, monkeypatch, core
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", cores)
     cfg = load_config(None, [f"run_dir={tmp_path}", "ranks=2", f"start_early={mode}", "wandb.enabled=false"])
     assert Coordinator(cfg, LocalLauncher(2))._starts_early() is expected
+
+
+def test_an_early_step_that_ended_without_success_is_started_afresh(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from jobs.coordinator import Coordinator
+    from jobs.launchers import LocalStep
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false"])
+    coord = Coordinator(cfg, LocalLauncher(2))
+
+    def step(*codes):
+        return LocalStep({r: subprocess.Popen([sys.executable, "-c", f"raise SystemExit({c})"])
+                          for r, c in enumerate(codes)}, time.time())
+
+    gave_up, finished, waiting = step(75, 75), step(0, 0), LocalStep(
+        {0: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])}, time.time())
+    time.sleep(1.0)
+    coord.early = {(0, "train"): (gave_up, 1), (0, "save"): (finished, 1), (1, "generate"): (waiting, 2)}
+    assert coord._take_early(0, "train") == (None, None)  # gave up waiting: launched anew, no attempt used
+    assert coord._take_early(0, "save") == (finished, 1)  # already done after its turn: its result counts
+    assert coord._take_early(1, "generate") == (waiting, 2)
+    assert coord._take_early(1, "train") == (None, None) and not coord.early
+    waiting.cancel()
