@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import filelock
 
@@ -71,7 +72,8 @@ class Coordinator:
         self.paths = RunPaths(cfg.run_dir)
         self.chash = config_hash(cfg)
         self.metrics = MetricsLog(cfg)
-        self.early: dict[tuple[int, str], tuple[object, int]] = {}  # (it, stage) -> (started step, attempt)
+        # (it, stage) -> (started step, attempt, the marker it waits for)
+        self.early: dict[tuple[int, str], tuple[object, int, Path]] = {}
         self.start_early = False
 
     def run(self) -> None:
@@ -96,7 +98,7 @@ class Coordinator:
         try:
             yield
         finally:
-            for step, _ in self.early.values():
+            for step, _, _ in self.early.values():
                 step.cancel()
             self.early.clear()
             signal.signal(signal.SIGTERM, previous)
@@ -163,6 +165,11 @@ class Coordinator:
                     result = step.wait(retry.stage_timeout_s)
                 launched += result.elapsed_s
                 self._check_attempt(it, stage, attempt, inputs, result)
+        # The marker below lets early-started stages waiting on it begin: they are running from then on.
+        go = self.paths.markers(it) / markers.marker_name(stage, None)
+        for (it2, nxt), (_, early_attempt, after) in self.early.items():
+            if after == go:
+                self._write_state(it2, nxt, "running", early_attempt)
         self._write_stage_marker(it, stage, inputs, first_start, attempt)
         return launched
 
@@ -193,12 +200,12 @@ class Coordinator:
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1
             step = self.launcher.start(self.paths, it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
-            self.early[(it2, nxt)] = (step, attempt)
+            self.early[(it2, nxt)] = (step, attempt, go)
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
 
     def _take_early(self, it: int, stage: str):
         """This stage's early-started step, if it is alive or already succeeded; else (None, None)."""
-        step, attempt = self.early.pop((it, stage), (None, None))
+        step, attempt, _ = self.early.pop((it, stage), (None, None, None))
         if step is not None and not step.running() and not step.wait(1).ok:
             # It ended without success, most likely before its turn (it gave up waiting, or its node
             # went away): start the stage afresh, without counting that as an attempt.

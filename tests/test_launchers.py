@@ -72,7 +72,8 @@ def test_an_early_step_that_ended_without_success_is_started_afresh(tmp_path):
     gave_up, finished, waiting = step(75, 75), step(0, 0), LocalStep(
         {0: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])}, time.time())
     time.sleep(1.0)
-    coord.early = {(0, "train"): (gave_up, 1), (0, "save"): (finished, 1), (1, "generate"): (waiting, 2)}
+    coord.early = {(0, "train"): (gave_up, 1, None), (0, "save"): (finished, 1, None),
+                   (1, "generate"): (waiting, 2, None)}
     assert coord._take_early(0, "train") == (None, None)  # gave up waiting: launched anew, no attempt used
     assert coord._take_early(0, "save") == (finished, 1)  # already done after its turn: its result counts
     assert coord._take_early(1, "generate") == (waiting, 2)
