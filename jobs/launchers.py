@@ -109,7 +109,7 @@ class LocalLauncher:
         logs.mkdir(parents=True, exist_ok=True)
         port = free_port()
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n))
-        step = LocalStep({}, time.time())
+        step = LocalStep({})
         try:
             for rank in range(n):
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
@@ -133,7 +133,6 @@ class LocalStep:
     """A started stage attempt on this machine."""
 
     procs: dict[int, subprocess.Popen]
-    started: float
 
     def running(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
@@ -283,7 +282,7 @@ class SrunLauncher:
         messages: list[str] = []
         reader = threading.Thread(target=_relay_srun_messages, args=(proc.stderr, messages), daemon=True)
         reader.start()
-        return SrunStep(proc, reader, messages, self.ntasks(stage), time.time())
+        return SrunStep(proc, reader, messages, self.ntasks(stage))
 
 
 @dataclass
@@ -294,7 +293,6 @@ class SrunStep:
     reader: threading.Thread
     messages: list[str]
     ntasks: int
-    started: float
 
     def running(self) -> bool:
         return self.proc.poll() is None

@@ -67,10 +67,10 @@ def test_an_early_step_that_ended_without_success_is_started_afresh(tmp_path):
 
     def step(*codes):
         return LocalStep({r: subprocess.Popen([sys.executable, "-c", f"raise SystemExit({c})"])
-                          for r, c in enumerate(codes)}, time.time())
+                          for r, c in enumerate(codes)})
 
     gave_up, finished, waiting = step(75, 75), step(0, 0), LocalStep(
-        {0: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])}, time.time())
+        {0: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])})
     time.sleep(1.0)
     coord.early = {(0, "train"): (gave_up, 1, None), (0, "save"): (finished, 1, None),
                    (1, "generate"): (waiting, 2, None)}
