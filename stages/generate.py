@@ -24,6 +24,7 @@ from stages.common.markers import write_jsonl_atomic
 from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.common.stage import StageContext, run_stage
+from stages.common.vllm_sampler import VllmSampler
 
 log = logging.getLogger("syncrl.generate")
 
@@ -42,7 +43,12 @@ def main(ctx: StageContext) -> None:
     device = device_for(ctx.info.local_rank)
     t0 = time.time()
     tokenizer = load_tokenizer(ctx.tokenizer_path())
-    spread = cfg.generate.gpus_per_process > 1
+    g = cfg.generate
+    spread = g.gpus_per_process > 1
+    # vLLM first: it sizes its cache from the memory free when it starts.
+    sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g.gpus_per_process,
+                          g.vllm_memory_fraction, sample_seed(cfg.seed, ctx.iteration, ctx.rank)) \
+        if g.backend == "vllm" else None
     model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread).eval()
     if spread:
         device = model.device  # where the first layers live: inputs go there
@@ -53,14 +59,13 @@ def main(ctx: StageContext) -> None:
     items = shard(iteration_prompts(cfg.data, problems, cfg.seed, ctx.iteration), ctx.rank, ctx.world_size)
     torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
 
-    g = cfg.generate
     per_call = max(1, g.batch_size // g.attempts)
     rows, new_tokens = [], 0
     t1 = time.time()
     bar = Progress(len(items), f"generate iteration {ctx.iteration}: prompts", ctx.rank)
     for start in range(0, len(items), per_call):
         batch = items[start:start + per_call]
-        batch_rows = sample_batch(model, tokenizer, batch, g, device)
+        batch_rows = sample_batch(model, tokenizer, batch, g, device, sampler)
         new_tokens += sum(len(r["completion_ids"]) for r in batch_rows)
         rows += batch_rows
         bar.update(len(batch))
@@ -85,23 +90,17 @@ def sample_seed(seed: int, iteration: int, rank: int) -> int:
 
 
 @torch.no_grad()
-def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
-    # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
-    enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True,
-                    padding_side="left", add_special_tokens=False).to(device)
-    sequences = model.generate(
-        **enc, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
-        max_new_tokens=g.max_new_tokens, num_return_sequences=g.attempts,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **CACHE_ARGS[g.cache],
-    )
-    prompt_len = enc["input_ids"].shape[1]
-    completions = sequences[:, prompt_len:]
-    # The prompts without their left padding, once per prompt.
-    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -> list[dict]:
+    """Rows for `items` x g.attempts samples; `sampler` (a VllmSampler) samples in place of HF."""
+    if sampler is not None:
+        prompt_ids = [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+        completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
+    else:
+        sample = sample_paged if g.cache == "paged" else sample_generate
+        prompt_ids, completions = sample(model, tokenizer, items, g, device)
     rows = []
-    for j in range(completions.shape[0]):
+    for j, ids in enumerate(completions):
         item = items[j // g.attempts]
-        ids = completions[j].tolist()
         # Keep the end-of-sequence token: the policy must learn to stop, so train scores it too.
         n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
         rows.append({
@@ -119,6 +118,52 @@ def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
     for r, logprobs in zip(rows, completion_logprobs(model, rows, g.temperature, device)):
         r["logprobs"] = [round(x, 6) for x in logprobs]
     return rows
+
+
+def call_seed() -> int:
+    """A seed for a sampler with its own generator, drawn from the stage's seeded one: a rerun samples
+    the same, and every call of a stage samples differently."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def sample_generate(model, tokenizer, items: list[dict], g, device) -> tuple[list, list]:
+    """HF generate over the left-padded batch: (prompt ids per prompt, completion ids per sequence, in
+    prompt order, `attempts` consecutive sequences per prompt; each runs to the longest one's end)."""
+    # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
+    enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True,
+                    padding_side="left", add_special_tokens=False).to(device)
+    sequences = model.generate(
+        **enc, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
+        max_new_tokens=g.max_new_tokens, num_return_sequences=g.attempts,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **CACHE_ARGS[g.cache],
+    )
+    # The prompts without their left padding, once per prompt.
+    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+    return prompt_ids, sequences[:, enc["input_ids"].shape[1]:].tolist()
+
+
+def sample_paged(model, tokenizer, items: list[dict], g, device) -> tuple[list, list]:
+    """The same through transformers' continuous batching: each sequence stops at its own end."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    prompt_ids = [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+    gen = GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
+                           max_new_tokens=g.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    # One request per sequence. Results come back keyed by request id in finishing order; matching
+    # them to prompts by their prompt ids needs nothing of how transformers names requests.
+    out = model.generate_batch([ids for ids in prompt_ids for _ in range(g.attempts)], generation_config=gen,
+                               continuous_batching_config=ContinuousBatchingConfig(seed=call_seed()))
+    by_prompt: dict[tuple, list] = {}
+    for request_id in sorted(out):
+        result = out[request_id]
+        if result.error is not None:
+            raise RuntimeError(f"continuous-batching generation failed for request {request_id}: {result.error}")
+        by_prompt.setdefault(tuple(result.prompt_ids), []).append(list(result.generated_tokens))
+    if len(out) != len(prompt_ids) * g.attempts:
+        raise RuntimeError(f"continuous-batching generation returned {len(out)} of "
+                           f"{len(prompt_ids) * g.attempts} sequences")
+    return prompt_ids, [by_prompt[tuple(ids)].pop(0) for ids in prompt_ids for _ in range(g.attempts)]
 
 
 if __name__ == "__main__":

@@ -54,11 +54,11 @@ def main(ctx: StageContext) -> None:
                                        "pruned": pruned, "prunable": [f"models/{target.name}/"]})
 
 
-def preload(cfg, paths) -> None:
+def preload(ctx) -> None:
     """What a save process imports before it can start (for a process started early)."""
     import deepspeed.utils.zero_to_fp32  # noqa: F401 (the import is the point)
 
-    preload_model_code(cfg, paths)
+    preload_model_code(ctx)
 
 
 def consolidate(checkpoint_dir: Path, tag: str) -> dict:

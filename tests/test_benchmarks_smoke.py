@@ -34,8 +34,8 @@ def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(tmp_path):
 def test_generate_benchmark_runs_every_mode(tmp_path):
     out = run(["tests/benchmarks/generate_cache.py", "--preset", "tiny-llama", "--dtype", "float32",
                "--prompts", "2", "--attempts", "2", "--new-tokens", "4", "--repeats", "1", "--json",
-               str(tmp_path / "gen.json")])
-    for mode in ("eager", "dynamic", "static", "compiled"):
+               str(tmp_path / "gen.json"), "--modes", "eager,dynamic,static,compiled,paged"])
+    for mode in ("eager", "dynamic", "static", "compiled", "paged"):
         assert f"{mode:<11} / eager" in out
 
 

@@ -53,6 +53,9 @@ CASES = [
     (["data.source={d}/few.jsonl"], None, ["has 1 problems, fewer than data.prompts_per_iteration"]),
     (["ranks=3"], None, ["data.prompts_per_iteration (64) is not divisible by the 3 ranks", "use 63 or 66"]),
     (["generate.batch_size=12"], None, ["generate.batch_size (12) is not a multiple of generate.attempts (8)"]),
+    # vLLM is not installed on the machines that run these tests (tests/standins/vllm says why).
+    (["generate.backend=vllm"], None, ["generate.backend is vllm, but vllm is not installed", "generate.backend=hf"]),
+    (["generate.vllm_memory_fraction=1.5"], None, ["generate.vllm_memory_fraction must be in (0, 1)"]),
 ]
 
 

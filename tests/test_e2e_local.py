@@ -56,6 +56,9 @@ def test_two_iterations_then_everything_skipped(tmp_path):
     assert "started early (attempt 1): loading while generate runs" in proc.stderr
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
     assert train["world_size"] == 2 and train["steps"] >= 1
+    # train.prepare_early: process group, engine and checkpoint resume were done before the turn.
+    assert {"process_group", "deepspeed_initialize", "resume_checkpoint"} <= set(train["early_phases"])
+    assert set(train["startup_phases"]) == {"read_train_set", "barrier"}
 
     again = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL)
     assert again.returncode == 0, again.stderr[-3000:]

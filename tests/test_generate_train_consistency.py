@@ -29,8 +29,9 @@ def sample(policy, seed, g):
     return sample_batch(model, tok, ITEMS, g, torch.device("cpu"))
 
 
-def test_sampling_is_deterministic_per_seed(policy):
-    g = GenerateConfig(attempts=4, max_new_tokens=6, temperature=1.0)
+@pytest.mark.parametrize("cache", ["dynamic", "paged"])
+def test_sampling_is_deterministic_per_seed(policy, cache):
+    g = GenerateConfig(attempts=4, max_new_tokens=6, temperature=1.0, cache=cache)
     a = sample(policy, sample_seed(0, 3, 1), g)
     b = sample(policy, sample_seed(0, 3, 1), g)
     c = sample(policy, sample_seed(0, 3, 0), g)
@@ -40,7 +41,8 @@ def test_sampling_is_deterministic_per_seed(policy):
     assert all(r["prompt_id"] == "0-1" for r in a[4:8])
 
 
-@pytest.mark.parametrize("temperature,cache", [(1.0, "dynamic"), (0.7, "dynamic"), (1.0, "static")])
+@pytest.mark.parametrize("temperature,cache", [(1.0, "dynamic"), (0.7, "dynamic"), (1.0, "static"),
+                                                       (0.7, "paged")])
 def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache):
     model, tok = policy
     g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache)
@@ -74,3 +76,12 @@ def test_completion_logprobs_do_not_depend_on_how_rows_are_batched(policy, monke
     for a, b in zip(whole, chunked):
         assert a == pytest.approx(b, abs=1e-5)
     assert [r["logprobs"] for r in rows] == [[round(x, 6) for x in a] for a in whole]
+
+
+def test_paged_sampling_follows_the_same_policy_and_temperature(policy):
+    """Near-greedy temperature: continuous batching must pick the same tokens as generate() does."""
+    g = dict(attempts=2, max_new_tokens=8, temperature=1e-4)
+    paged = sample(policy, 5, GenerateConfig(cache="paged", **g))
+    plain = sample(policy, 5, GenerateConfig(cache="dynamic", **g))
+    assert [r["completion_ids"] for r in paged] == [r["completion_ids"] for r in plain]
+    assert [r["prompt_ids"] for r in paged] == [r["prompt_ids"] for r in plain]

@@ -99,3 +99,20 @@ def test_attempt_numbering(paths):
     paths.logs(0, "train", 2).mkdir(parents=True)
     assert paths.attempts_so_far(0, "train") == 2
     assert paths.rank_log(0, "train", 2, 1).name == "rank_00001.log"
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """SIGTERM unwinds the coordinator as KeyboardInterrupt, possibly mid-write."""
+    from stages.common.markers import write_json_atomic, write_jsonl_atomic
+
+    target = tmp_path / "state.json"
+    write_json_atomic(target, {"state": "running"})
+
+    def rows():
+        yield {"a": 1}
+        raise KeyboardInterrupt("signal 15")
+
+    with pytest.raises(KeyboardInterrupt):
+        write_jsonl_atomic(tmp_path / "rows.jsonl", rows())
+    assert json.loads(target.read_text()) == {"state": "running"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]

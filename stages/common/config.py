@@ -68,15 +68,24 @@ class GenerateConfig:
     # KV cache of HF generate: "static" preallocates it at full length, so every decode step has the
     # same shapes (no per-step allocation); "dynamic" grows it step by step; "compiled" is the static
     # cache plus HF's torch.compile of the decode step on GPU (CUDA graphs; compiling costs time on a
-    # process's first call; on CPU it is the static cache alone).
+    # process's first call; on CPU it is the static cache alone). "paged" leaves generate() for
+    # transformers' continuous batching (generate_batch): a paged cache that holds only the tokens
+    # each sequence has, a finished sequence's slot goes to a waiting one, and decoding runs on CUDA
+    # graphs; it needs transformers >= 5.24.
     cache: str = "dynamic"
     # GPUs one generate process spreads the model over (transformers' device_map: its layers split
     # across them, run in turn), for models too large for one GPU. 1: one process per GPU, each with
     # the whole model. Generate and score then run tasks_per_node / gpus_per_process tasks per node.
     gpus_per_process: int = 1
+    # backend "vllm" (where vLLM is installed): sampling by vLLM's engine, tensor-parallel over
+    # gpus_per_process GPUs; the share of each GPU's memory it may take, the rest holding the HF
+    # copy of the policy that computes the old log-probs.
+    vllm_memory_fraction: float = 0.5
 
     def __post_init__(self):
         _positive("generate.attempts", self.attempts)
+        if not 0 < self.vllm_memory_fraction < 1:
+            raise ConfigError(f"generate.vllm_memory_fraction must be in (0, 1) (got {self.vllm_memory_fraction})")
         _positive("generate.gpus_per_process", self.gpus_per_process)
         _positive("generate.max_new_tokens", self.max_new_tokens)
         _positive("generate.batch_size", self.batch_size)
@@ -84,8 +93,8 @@ class GenerateConfig:
             raise ConfigError(f"generate.temperature must be > 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
-        _choice("generate.backend", self.backend, ("hf",))
-        _choice("generate.cache", self.cache, ("dynamic", "static", "compiled"))
+        _choice("generate.backend", self.backend, ("hf", "vllm"))
+        _choice("generate.cache", self.cache, ("dynamic", "static", "compiled", "paged"))
 
 
 @dataclass
@@ -130,6 +139,10 @@ class TrainConfig:
     # recompile: it pays off for long train stages); "aot_eager" traces without generating code
     # (checks that a model compiles, cheaply); "eager" does not compile.
     compile: str = "eager"
+    # A train process started early (start_early) also joins its process group, builds the DeepSpeed
+    # engine and resumes the previous checkpoint before its turn, while generate runs: its turn then
+    # begins at reading the train set. The engine's GPU and pinned host memory are held meanwhile.
+    prepare_early: bool = True
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)
@@ -244,8 +257,10 @@ class RunConfig:
             raise ConfigError("run_dir is empty: set it in the config or as run_dir=PATH")
 
 
-# Keys that change how a run is executed but not what it computes: changing them on resume is fine.
-NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s")
+# Keys (dotted within sections) that change how a run is executed but not what it computes:
+# changing them on resume is fine.
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s",
+                     "train.prepare_early")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
@@ -299,8 +314,13 @@ def config_hash(cfg: RunConfig) -> str:
     its default value: an option added to syncrl later (with a default that keeps the old behaviour)
     then leaves the markers of runs made before it valid, so upgrading mid-run redoes nothing."""
     defaults = to_dict(RunConfig(run_dir="-"))
-    d = _without_defaults({k: v for k, v in to_dict(cfg).items() if k not in NON_SEMANTIC_KEYS}, defaults)
+    d = _without_defaults(_semantic(to_dict(cfg)), defaults)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _semantic(d: dict, prefix: str = "") -> dict:
+    return {k: _semantic(v, f"{prefix}{k}.") if isinstance(v, dict) else v
+            for k, v in d.items() if f"{prefix}{k}" not in NON_SEMANTIC_KEYS}
 
 
 def _without_defaults(d: dict, defaults: dict) -> dict:
@@ -319,7 +339,7 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     """Lines `key: old -> new` for every semantic key that differs."""
     lines = []
     for key in sorted(set(old) | set(new)):
-        if not prefix and key in NON_SEMANTIC_KEYS:
+        if f"{prefix}{key}" in NON_SEMANTIC_KEYS:
             continue
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -8,6 +8,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,13 +37,24 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with _replacing(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """Yields a temporary name beside `path`, renamed over it when the block ends. An exception (a
+    SIGTERM that unwinds the coordinator, say) removes the temporary file: nothing half-written stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -171,17 +183,13 @@ def clear_stage(paths: RunPaths, it: int, stage: str) -> None:
 
 def write_jsonl_atomic(path: Path, rows) -> int:
     """Write rows as JSON lines under a temporary name, then rename; returns the row count."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     n = 0
-    with open(tmp, "w") as f:
+    with _replacing(path) as tmp, open(tmp, "w") as f:
         for row in rows:
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
             n += 1
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
     return n
 
 

@@ -62,12 +62,13 @@ def load_policy(path: Path, dtype: str, device: torch.device | None = None, spre
     return model
 
 
-def preload_model_code(cfg, paths) -> None:
+def preload_model_code(ctx) -> None:
     """Import transformers and the policy's architecture module (seconds of a stage's start-up) ahead
     of time; the base model's config names the architecture every later export shares."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(Path(cfg.model.path) if cfg.model.path else paths.base_model)
+    cfg = ctx.cfg
+    config = AutoConfig.from_pretrained(Path(cfg.model.path) if cfg.model.path else ctx.paths.base_model)
     AutoModelForCausalLM._model_mapping[type(config)]  # the lookup imports the module
 
 

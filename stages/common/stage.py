@@ -41,6 +41,10 @@ class StageContext:
     start: float = field(default_factory=time.time)
     summary: str = ""
     waited_s: float = 0.0  # a process started early: time spent waiting for the previous stage
+    # A process started early, until its turn: it has not read the previous stage's outputs, and a
+    # failure now is not an attempt's (the coordinator starts the stage afresh).
+    waiting: bool = False
+    prepared: object = None  # what the stage's preload built before its turn (train: its engine)
 
     def summarize(self, fmt: str, *args) -> None:
         """The stage's one-line result: logged here, and by the coordinator from the marker."""
@@ -95,21 +99,20 @@ def _import_seconds(ctx: StageContext) -> float:
     return max(0.0, ctx.start - psutil.Process().create_time() - ctx.waited_s)
 
 
-def wait_for_turn(stage: str, args, preload) -> float | None:
-    """Preload, then wait for args.after; returns the seconds waited, or None on giving up."""
-    setup_logging(dist_info().tag)
+def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> float | None:
+    """Run preload(ctx), keeping what it returns in ctx.prepared, then wait for `after`; returns the
+    seconds waited, or None on giving up."""
     t0 = time.time()
     if preload is not None:
-        cfg = load_config(RunPaths(args.run_dir).config, args.overrides)
-        preload(cfg, RunPaths(args.run_dir))
-    log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", stage, args.iteration,
-             time.time() - t0, args.after)
+        ctx.prepared = preload(ctx)
+    log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
+             time.time() - t0, after)
     t1 = time.time()
-    deadline = t1 + args.after_timeout
-    while not os.path.exists(args.after):
+    deadline = t1 + timeout_s
+    while not os.path.exists(after):
         if time.time() > deadline:
             log.warning("gave up waiting for %s after %.0fs; the coordinator starts this stage afresh",
-                        args.after, args.after_timeout)
+                        after, timeout_s)
             return None
         time.sleep(0.05)
     return time.time() - t1
@@ -119,7 +122,8 @@ def base_model_id(cfg: RunConfig) -> str:
     return cfg.model.path or f"preset:{cfg.model.preset}"
 
 
-def make_context(stage: str, run_dir: str, iteration: int, overrides=()) -> StageContext:
+def make_context(stage: str, run_dir: str, iteration: int, overrides=(), waiting: bool = False) -> StageContext:
+    """The stage's context; `waiting`: started early, so the inputs (upstream markers) are read later."""
     paths = RunPaths(run_dir)
     if not paths.config.is_file():
         raise ConfigError(f"{paths.config} not found: start the run with `syncrl run CONFIG run_dir={run_dir}`")
@@ -127,11 +131,14 @@ def make_context(stage: str, run_dir: str, iteration: int, overrides=()) -> Stag
     return StageContext(
         stage=stage, iteration=iteration, cfg=cfg, paths=paths, info=dist_info(),
         attempt=int(os.environ.get(ATTEMPT_VAR, "1")), config_hash=config_hash(cfg),
-        inputs=markers.input_fingerprint(paths, iteration, stage, base_model_id(cfg)))
+        inputs="" if waiting else markers.input_fingerprint(paths, iteration, stage, base_model_id(cfg)),
+        waiting=waiting)
 
 
 def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
     """What the coordinator's failure summary quotes: who failed, where, with what, and the last lines."""
+    if ctx.waiting:  # before its turn: the attempt that counts is started afresh and writes its own
+        return
     try:
         markers.write_json_atomic(
             ctx.paths.markers(ctx.iteration) / f"{ctx.stage}.rank_{ctx.rank:05d}.failed",
@@ -150,9 +157,10 @@ EXIT_GAVE_UP_WAITING = 75
 def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=None) -> None:
     """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns.
 
-    With --after FILE the process was started early: it runs `preload(cfg, paths)` (the imports and
-    model code the stage will need), then waits for FILE (the previous stage's marker) before it
-    reads anything that stage writes.
+    With --after FILE the process was started early: it runs `preload(ctx)` (the imports and model
+    code the stage will need, and whatever else needs nothing the previous stage writes; its result
+    is kept in ctx.prepared), then waits for FILE (the previous stage's marker) before it reads
+    anything that stage writes.
     """
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=main.__doc__)
     parser.add_argument("--run-dir", required=True, help="the run directory (holds config.yaml)")
@@ -163,14 +171,17 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
     args = parser.parse_args(argv)
     code, ctx = 1, None
     try:
-        waited = 0.0
         if args.after:
-            waited = wait_for_turn(stage, args, preload)
+            setup_logging(dist_info().tag)
+            ctx = make_context(stage, args.run_dir, args.iteration, args.overrides, waiting=True)
+            waited = wait_for_turn(ctx, args.after, args.after_timeout, preload)
             if waited is None:
                 sys.exit(EXIT_GAVE_UP_WAITING)
-        ctx = make_context(stage, args.run_dir, args.iteration, args.overrides)
-        ctx.waited_s = waited
-        setup_logging(ctx.info.tag)
+            ctx.inputs = markers.input_fingerprint(ctx.paths, ctx.iteration, stage, base_model_id(ctx.cfg))
+            ctx.start, ctx.waited_s, ctx.waiting = time.time(), waited, False
+        else:
+            ctx = make_context(stage, args.run_dir, args.iteration, args.overrides)
+            setup_logging(ctx.info.tag)
         log.info("%s iteration %d attempt %d: host=%s pid=%d rank=%d/%d local_rank=%d node=%d",
                  stage, ctx.iteration, ctx.attempt, ctx.info.host, os.getpid(), ctx.rank,
                  ctx.world_size, ctx.info.local_rank, ctx.info.node_id)
