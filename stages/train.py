@@ -121,8 +121,13 @@ def start_engine(ctx: StageContext, phases: Phases) -> Engine:
     # partition it too (it runs outside the engine, so it must keep whole weights).
     ref = load_reference(ctx, device) if t.kl_coef > 0 else None
     hf_ds_config = _zero3_init_context(ds_config)
+    source = ctx.policy_path()
+    if ctx.waiting and ctx.iteration > 0:
+        # Before its turn the previous export may still be being written (train starts early, at
+        # save); the checkpoint resumed below overwrites every weight, so the base model's serve.
+        source = base_model_path(ctx)
     # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
-    model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
+    model = load_policy(source, cfg.model.dtype, None if hf_ds_config is not None else device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     phases.done("load_models")
@@ -167,9 +172,12 @@ def compile_models(engine, ref, backend: str):
     return ref
 
 
+def base_model_path(ctx: StageContext) -> Path:
+    return Path(ctx.cfg.model.path) if ctx.cfg.model.path else ctx.paths.base_model
+
+
 def load_reference(ctx: StageContext, device):
-    base = Path(ctx.cfg.model.path) if ctx.cfg.model.path else ctx.paths.base_model
-    return load_policy(base, ctx.cfg.model.dtype, device).eval().requires_grad_(False)
+    return load_policy(base_model_path(ctx), ctx.cfg.model.dtype, device).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:
@@ -225,6 +233,9 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
         return
     tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
     if not (ctx.paths.checkpoints / tag).is_dir():
+        if ctx.waiting:  # the weights loaded came from the base model: build at the turn instead
+            raise FileNotFoundError(f"{ctx.paths.checkpoints / tag} is not there before train's turn; "
+                                    "the coordinator starts train afresh at its turn")
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     ctx.paths.checkpoints / tag, ctx.policy_path())
         return

@@ -41,6 +41,7 @@ class StageContext:
     start: float = field(default_factory=time.time)
     summary: str = ""
     waited_s: float = 0.0  # a process started early: time spent waiting for the previous stage
+    late_s: float = 0.0  # a process started early that was still preloading when its turn came: by how much
     # A process started early, until its turn: it has not read the previous stage's outputs, and a
     # failure now is not an attempt's (the coordinator starts the stage afresh).
     waiting: bool = False
@@ -88,7 +89,8 @@ class StageContext:
             config_hash=self.config_hash, inputs=self.inputs,
             outputs=markers.outputs_record(outputs, self.paths.root),
             extra={**(extra or {}), "memory": memory, "summary": self.summary, "import_s": _import_seconds(self),
-                   **({"started_early_waited_s": self.waited_s} if self.waited_s else {})})
+                   **({"started_early_waited_s": self.waited_s, "started_early_late_s": self.late_s}
+                      if self.waited_s or self.late_s else {})})
 
 
 def _import_seconds(ctx: StageContext) -> float:
@@ -108,6 +110,8 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> f
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
              time.time() - t0, after)
     t1 = time.time()
+    if os.path.exists(after):  # the turn came while preloading: the stage's start-up is that late
+        ctx.late_s = max(0.0, t1 - os.path.getmtime(after))
     deadline = t1 + timeout_s
     while not os.path.exists(after):
         if time.time() > deadline:

@@ -291,9 +291,11 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
 
 
 def visible_import_s(marker: dict) -> float:
-    """Imports on the stage's critical path: none for a process started early (it imported while
-    the previous stage ran, then waited)."""
-    return 0.0 if marker.get("started_early_waited_s") else marker.get("import_s", 0.0)
+    """Imports on the stage's critical path. A process started early imported while earlier stages
+    ran: only the part of its preloading that ran past its turn counts."""
+    if "started_early_waited_s" in marker:
+        return marker.get("started_early_late_s", 0.0)
+    return marker.get("import_s", 0.0)
 
 
 def checkpoint_bytes(run_dir: Path) -> int:
