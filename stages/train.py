@@ -12,7 +12,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,33 +32,56 @@ DERIVED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_step
                    "gradient_clipping")
 
 
-@dataclass
-class Engine:
-    """What train builds before it reads the train set (before its turn, when started early)."""
-    engine: object
-    ref: object  # the frozen reference model, with KL; else None
-    device: torch.device
-    watchdog: dist.ProgressWatchdog
-    zero_stage: int
-    hf_ds_config: object  # transformers holds this weakly and consults it while a ZeRO-3 model exists
-    phases: dict  # seconds per start-up phase
-
-
 def main(ctx: StageContext) -> None:
     """PPO-clip update of the policy over this iteration's train set."""
-    t = ctx.cfg.train
     phases = Phases(ctx.start)
-    run = ctx.prepared or start_engine(ctx, phases)
-    run.watchdog.beat("read the train set")
+    import deepspeed
+
+    phases.done("import_deepspeed")
+    cfg, t = ctx.cfg, ctx.cfg.train
+    set_cpu_threads()
     rows = read_train_set(ctx)
+    device = device_for(ctx.info.local_rank)
+    dist.export_torch_env(ctx.info)
+    dist.communication_env(ctx.attempt, t.socket_ifname)
+    watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
+    backend = dist.pick_backend(t.backend)
     phases.done("read_train_set")
+    dist.init_process_group(ctx.info, backend, t.timeout_s)
+    watchdog.beat("load model")
+    _skip_cpu_inference_op(deepspeed)
+    # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=t.timeout_s))
+    phases.done("process_group")
+    ds_config = deepspeed_config(ctx)
+    # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
+    # partition it too (it runs outside the engine, so it must keep whole weights).
+    ref = load_reference(ctx, device) if t.kl_coef > 0 else None
+    # Transformers holds this weakly and consults it while the ZeRO-3 model exists: keep it for the stage.
+    hf_ds_config = _zero3_init_context(ds_config)
+    # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
+    model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    phases.done("load_models")
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      model_parameters=None if optimizer else model.parameters())
+    if t.compile != "eager":
+        ref = compile_models(engine, ref, t.compile)
+    phases.done("deepspeed_initialize")
+    watchdog.beat("resume optimizer state")
+    resume_optimizer(ctx, engine)
+    phases.done("resume_checkpoint")
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     phases.done("barrier")
-    engine, ref, device, watchdog = run.engine, run.ref, run.device, run.watchdog
     watchdog.beat("train")
-    startup_s = time.time() - ctx.start  # from the stage's start (its turn, when started early)
-    log.info("engine ready in %.1fs%s: ZeRO stage %s, world %d, %d train rows", startup_s,
-             " after its turn (built before it)" if ctx.prepared else "", run.zero_stage, ctx.world_size, len(rows))
+    startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
+    log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
+             startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
 
     t1 = time.time()
     history, totals = run_updates(ctx, engine, ref, rows, device, watchdog)
@@ -81,7 +103,6 @@ def main(ctx: StageContext) -> None:
     summary = {
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
         "model_flops": totals["flops"], "startup_s": startup_s, "startup_phases": phases.seconds,
-        **({"early_phases": run.phases} if ctx.prepared else {}),
         "train_s": train_s, "checkpoint_s": save_s,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
@@ -94,70 +115,15 @@ def main(ctx: StageContext) -> None:
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
     watchdog.stop()
+    del hf_ds_config
 
 
-def start_engine(ctx: StageContext, phases: Phases) -> Engine:
-    """Process group, models, DeepSpeed engine, and the previous iteration's checkpoint resumed: all
-    of train's start-up that needs nothing of this iteration's train set."""
-    import deepspeed
-
-    phases.done("import_deepspeed")
-    cfg, t = ctx.cfg, ctx.cfg.train
-    set_cpu_threads()
-    device = device_for(ctx.info.local_rank)
-    dist.export_torch_env(ctx.info)
-    dist.communication_env(ctx.attempt, t.socket_ifname)
-    watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
-    backend = dist.pick_backend(t.backend)
-    dist.init_process_group(ctx.info, backend, t.timeout_s)
-    watchdog.beat("load model")
-    _skip_cpu_inference_op(deepspeed)
-    # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(seconds=t.timeout_s))
-    phases.done("process_group")
-    ds_config = deepspeed_config(ctx)
-    # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
-    # partition it too (it runs outside the engine, so it must keep whole weights).
-    ref = load_reference(ctx, device) if t.kl_coef > 0 else None
-    hf_ds_config = _zero3_init_context(ds_config)
-    source = ctx.policy_path()
-    if ctx.waiting and ctx.iteration > 0:
-        # Before its turn the previous export may still be being written (train starts early, at
-        # save); the checkpoint resumed below overwrites every weight, so the base model's serve.
-        source = base_model_path(ctx)
-    # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
-    model = load_policy(source, cfg.model.dtype, None if hf_ds_config is not None else device)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    phases.done("load_models")
-    optimizer = None
-    if "optimizer" not in ds_config:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                      model_parameters=None if optimizer else model.parameters())
-    if t.compile != "eager":
-        ref = compile_models(engine, ref, t.compile)
-    phases.done("deepspeed_initialize")
-    watchdog.beat("resume optimizer state")
-    resume_optimizer(ctx, engine)
-    phases.done("resume_checkpoint")
-    return Engine(engine, ref, device, watchdog, ds_config.get("zero_optimization", {}).get("stage", 0),
-                  hf_ds_config, phases.seconds)
-
-
-def preload(ctx: StageContext) -> Engine | None:
-    """What a train process started early does before its turn: the imports and model code, and with
-    train.prepare_early the whole engine (start_engine), so that its turn begins at the train set."""
+def preload(ctx: StageContext) -> None:
+    """What a train process started early imports before its turn. It builds nothing that needs a
+    process group: no communicator sits idle while generate and score run."""
     import deepspeed  # noqa: F401 (the import is the point)
 
     preload_model_code(ctx)
-    if not ctx.cfg.train.prepare_early:
-        return None
-    run = start_engine(ctx, Phases(time.time()))
-    # Waiting for the turn is not a hang: the no-progress clock starts again at the turn.
-    run.watchdog.hold()
-    return run
 
 
 def compile_models(engine, ref, backend: str):
@@ -172,12 +138,9 @@ def compile_models(engine, ref, backend: str):
     return ref
 
 
-def base_model_path(ctx: StageContext) -> Path:
-    return Path(ctx.cfg.model.path) if ctx.cfg.model.path else ctx.paths.base_model
-
-
 def load_reference(ctx: StageContext, device):
-    return load_policy(base_model_path(ctx), ctx.cfg.model.dtype, device).eval().requires_grad_(False)
+    base = Path(ctx.cfg.model.path) if ctx.cfg.model.path else ctx.paths.base_model
+    return load_policy(base, ctx.cfg.model.dtype, device).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:
@@ -233,9 +196,6 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
         return
     tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
     if not (ctx.paths.checkpoints / tag).is_dir():
-        if ctx.waiting:  # the weights loaded came from the base model: build at the turn instead
-            raise FileNotFoundError(f"{ctx.paths.checkpoints / tag} is not there before train's turn; "
-                                    "the coordinator starts train afresh at its turn")
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     ctx.paths.checkpoints / tag, ctx.policy_path())
         return

@@ -139,12 +139,6 @@ class TrainConfig:
     # recompile: it pays off for long train stages); "aot_eager" traces without generating code
     # (checks that a model compiles, cheaply); "eager" does not compile.
     compile: str = "eager"
-    # A train process started early (start_early) also joins its process group, builds the DeepSpeed
-    # engine and resumes the previous checkpoint before its turn, while save, generate, score and
-    # gather run: its turn then begins at reading the train set. The engine's GPU and pinned host
-    # memory are held meanwhile, beside generate's. Off by default: on the 0.48B GPU config, whose
-    # generate takes 10 s, building the engine beside it made the iteration slower, not faster.
-    prepare_early: bool = False
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)
@@ -261,8 +255,7 @@ class RunConfig:
 
 # Keys (dotted within sections) that change how a run is executed but not what it computes:
 # changing them on resume is fine.
-NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s",
-                     "train.prepare_early")
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:

@@ -237,7 +237,6 @@ class ProgressWatchdog:
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
         self.phase = "start"
-        self.held = False
         self.last = self._time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="syncrl-watchdog", daemon=True)
@@ -245,13 +244,8 @@ class ProgressWatchdog:
 
     def beat(self, phase: str | None = None) -> None:
         self.last = self._time()
-        self.held = False
         if phase:
             self.phase = phase
-
-    def hold(self) -> None:
-        """Stop counting until the next beat (a process started early, waiting for its turn)."""
-        self.held = True
 
     def stop(self) -> None:
         self._stop.set()
@@ -260,7 +254,7 @@ class ProgressWatchdog:
         interval = min(5.0, max(0.1, self.timeout_s / 10))
         while not self._stop.wait(interval):
             idle = self._time() - self.last
-            if idle > self.timeout_s and not self.held:
+            if idle > self.timeout_s:
                 msg = (f"no progress for {idle:.0f}s (limit {self.timeout_s:.0f}s) in phase '{self.phase}': a peer "
                        "rank is probably hung or dead; exiting so the stage can be retried")
                 log.error(msg)

@@ -203,9 +203,6 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             },
             "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
                              for k in train[0].get("startup_phases", {})},
-            # train.prepare_early: the phases a process started early ran before its turn (off the critical path).
-            "train_early_phases": {k: max(r.get("early_phases", {}).get(k, 0.0) for r in train)
-                                   for k in train[0].get("early_phases", {})},
             "compute_s": gen_s + train_s,
             "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
                     | {"export_gb_per_s": m["save"]["bytes"] / 1e9 / m["save"]["export_s"]},
@@ -260,13 +257,11 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                                                    for r in per_it), f"  ({ckpt_bytes / 1e9:.2f} GB per checkpoint)")
     order = ("import_deepspeed", "read_train_set", "process_group", "load_models", "deepspeed_initialize",
              "resume_checkpoint", "barrier")  # as train runs them
-    for key, title in (("train_phases", "train start-up phases (s, slowest rank)"),
-                       ("train_early_phases", "train start-up done before its turn (started early; off the critical path)")):
-        phases = sorted({k for r in per_it for k in r[key]}, key=lambda k: order.index(k) if k in order else len(order))
-        if phases:
-            print(f"  {title}:")
-            for k in phases:
-                print(f"    {k:<22}", "  ".join(f"{r[key].get(k, 0.0):>9.1f}" for r in per_it))
+    phases = sorted(per_it[0]["train_phases"], key=lambda k: order.index(k) if k in order else len(order))
+    if phases:
+        print("  train start-up phases (s, slowest rank):")
+        for k in phases:
+            print(f"    {k:<22}", "  ".join(f"{r['train_phases'].get(k, 0.0):>9.1f}" for r in per_it))
     print("\nsave")
     print("  consolidate s        ", col("save", "consolidate_s", "{:>9.1f}"))
     print("  export s             ", col("save", "export_s", "{:>9.1f}"))
