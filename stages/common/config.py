@@ -253,8 +253,7 @@ class RunConfig:
             raise ConfigError("run_dir is empty: set it in the config or as run_dir=PATH")
 
 
-# Keys (dotted within sections) that change how a run is executed but not what it computes:
-# changing them on resume is fine.
+# Keys that change how a run is executed but not what it computes: changing them on resume is fine.
 NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s")
 
 
@@ -309,13 +308,8 @@ def config_hash(cfg: RunConfig) -> str:
     its default value: an option added to syncrl later (with a default that keeps the old behaviour)
     then leaves the markers of runs made before it valid, so upgrading mid-run redoes nothing."""
     defaults = to_dict(RunConfig(run_dir="-"))
-    d = _without_defaults(_semantic(to_dict(cfg)), defaults)
+    d = _without_defaults({k: v for k, v in to_dict(cfg).items() if k not in NON_SEMANTIC_KEYS}, defaults)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _semantic(d: dict, prefix: str = "") -> dict:
-    return {k: _semantic(v, f"{prefix}{k}.") if isinstance(v, dict) else v
-            for k, v in d.items() if f"{prefix}{k}" not in NON_SEMANTIC_KEYS}
 
 
 def _without_defaults(d: dict, defaults: dict) -> dict:
@@ -334,7 +328,7 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     """Lines `key: old -> new` for every semantic key that differs."""
     lines = []
     for key in sorted(set(old) | set(new)):
-        if f"{prefix}{key}" in NON_SEMANTIC_KEYS:
+        if not prefix and key in NON_SEMANTIC_KEYS:
             continue
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
