@@ -31,6 +31,27 @@ def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path):
+    # --shape builds from the config under zero.Init (how the largest models are benchmarked): the
+    # same parameter count as the preset loaded from disk, and each rank holding only its partition.
+    from stages.common.tiny_model import PRESETS
+
+    sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
+    from shapes import SHAPES, block_params, largest_fitting
+
+    out = run(["tests/benchmarks/scaling.py", "--gpus", "2", "--shape", "tiny-llama", "--seq", "160", "--steps", "1",
+               "--variants", "z3:m2,z2:m2", "--json", str(tmp_path / "scaling.json")])
+    disk = run(["tests/benchmarks/scaling.py", "--gpus", "2", "--preset", "tiny-llama", "--seq", "160", "--steps",
+                "1", "--variants", "z3:m2", "--model-dir", str(tmp_path / "base")])
+    assert out.split("tiny-llama: N = ")[1].split(",")[0:2] == disk.split("tiny-llama: N = ")[1].split(",")[0:2]
+    assert "tiny-llama" in out and out.count("s/step") == 2
+    tiny = PRESETS["tiny-llama"]
+    assert block_params(tiny) == 2 * (2 * 64 * 64 + 2 * 64 * 64 + 3 * 64 * 128)
+    # 7.0B x 16 bytes of ZeRO-3 states fit 70% of 2 x 141 GB; 13.2B need 4 GPUs, 31.2B need 8.
+    assert [largest_fitting(g, 141 * 10**9) for g in (2, 4, 8)] == ["llama-8b", "qwen-14b", "qwen-32b"]
+    assert set(SHAPES) == {"llama-8b", "qwen-14b", "qwen-32b", "llama-70b"}
+
+
 def test_generate_benchmark_runs_every_mode(tmp_path):
     out = run(["tests/benchmarks/generate_cache.py", "--preset", "tiny-llama", "--dtype", "float32",
                "--prompts", "2", "--attempts", "2", "--new-tokens", "4", "--repeats", "1", "--json",

@@ -37,23 +37,26 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
+def llama_config(dims: dict, tokenizer=None):
+    """A Llama config of the given block dimensions over the built-in character tokenizer."""
+    from transformers import LlamaConfig
+
+    tokenizer = tokenizer or build_tokenizer()
+    return LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       tie_word_embeddings=True, **dims)
+
+
 def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int = 0) -> Path:
     """Write an HF model (safetensors + config + tokenizer) for `preset` to out_dir, atomically."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-        **PRESETS[preset],
-    )
+    config = llama_config(PRESETS[preset], tokenizer)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")

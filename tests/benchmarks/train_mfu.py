@@ -11,7 +11,11 @@ ds_zero3_multinode.json), mB (micro-batch per GPU), and optionally gc (gradient 
 kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/benchmarks/train_mfu.py \\
-        [--preset small-llama] [--seq 1024] [--steps 10] [--variants z2:m8,z2:m16,z2:m32,z3:m16]
+        [--preset small-llama | --shape llama-8b] [--seq 1024] [--steps 10] [--variants z2:m8,z2:m16,z2:m32,z3:m16]
+
+--preset loads a built-in model from --model-dir (creating it there first); --shape builds one of
+tests/benchmarks/shapes.py from its config in place, random weights, partitioned as it is built
+under ZeRO-3 (nothing on disk, no full copy on any rank).
 """
 
 from __future__ import annotations
@@ -57,9 +61,37 @@ def synthetic_rows(n: int, seq: int, vocab: int, seed: int) -> list[dict]:
     return rows
 
 
+def build_in_place(name: str, ds: dict, dtype: str):
+    """A model of tests/benchmarks/shapes.py (or a built-in preset) from its config; under ZeRO-3
+    transformers builds it inside deepspeed.zero.Init while `ds` is registered, so each rank holds
+    only its partition."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shapes import SHAPES
+
+    from stages.common.tiny_model import PRESETS, llama_config
+
+    shapes = {**PRESETS, **SHAPES}  # the built-in presets too: the same path, small enough for CPU
+    if name not in shapes:
+        raise SystemExit(f"--shape {name!r}: choose one of {', '.join(shapes)}")
+    # A ZeRO-3 variant's registration may outlive its model: a later ZeRO-2 build must not partition.
+    unset_hf_deepspeed_config()
+    keep = HfDeepSpeedConfig(ds) if ds.get("zero_optimization", {}).get("stage") == 3 else None
+    model = AutoModelForCausalLM.from_config(llama_config(shapes[name]), dtype=getattr(torch, dtype))
+    if keep is not None and not all(hasattr(p, "ds_id") for p in model.parameters()):
+        raise SystemExit(f"--shape {name}: the model was not partitioned as it was built (zero.Init did not apply)")
+    model._syncrl_ds_config = keep  # transformers holds it weakly: keep it as long as the model
+    return model
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small-llama")
+    parser.add_argument("--shape", default=None, help="a larger model of tests/benchmarks/shapes.py, built in place")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per variant")
     parser.add_argument("--warmup", type=int, default=3)
@@ -84,7 +116,7 @@ def main() -> int:
     tdist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     model_dir = Path(args.model_dir)
-    if rank == 0 and not model_dir.is_dir():
+    if args.shape is None and rank == 0 and not model_dir.is_dir():
         create_base_model(model_dir, args.preset)
     tdist.barrier()
     peak = flops.peak_flops(torch.cuda.get_device_name()) if device.type == "cuda" else None
@@ -98,8 +130,13 @@ def main() -> int:
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-        ref = load_policy(model_dir, dtype, device).eval().requires_grad_(False) if v["kl"] else None
-        model = load_policy(model_dir, dtype)
+        if args.shape is not None:
+            if v["kl"]:
+                raise SystemExit("--shape: the kl variants need a reference replica per rank; use --preset")
+            ref, model = None, build_in_place(args.shape, ds, dtype)
+        else:
+            ref = load_policy(model_dir, dtype, device).eval().requires_grad_(False) if v["kl"] else None
+            model = load_policy(model_dir, dtype)
         if v["gc"]:
             model.gradient_checkpointing_enable()
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
@@ -145,7 +182,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if rank == 0:
         peak_text = f"peak {peak:.3g} FLOP/s per GPU" if peak else "no GPU peak known"
-        print(f"{args.preset}: N = {shape['n']:,}, L = {shape['layers']}, d = {shape['attn_dim']}; seq {args.seq}; "
+        print(f"{args.shape or args.preset}: N = {shape['n']:,}, L = {shape['layers']}, d = {shape['attn_dim']}; seq {args.seq}; "
               f"{world} ranks; {peak_text}", flush=True)
         print(flops.FORMULA)
         if args.json:
