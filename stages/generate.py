@@ -93,7 +93,7 @@ def sample_seed(seed: int, iteration: int, rank: int) -> int:
 def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -> list[dict]:
     """Rows for `items` x g.attempts samples; `sampler` (a VllmSampler) samples in place of HF."""
     if sampler is not None:
-        prompt_ids = [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+        prompt_ids = unpadded_prompt_ids(tokenizer, items)
         completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
     else:
         sample = sample_paged if g.cache == "paged" else sample_generate
@@ -118,6 +118,11 @@ def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -
     for r, logprobs in zip(rows, completion_logprobs(model, rows, g.temperature, device)):
         r["logprobs"] = [round(x, 6) for x in logprobs]
     return rows
+
+
+def unpadded_prompt_ids(tokenizer, items: list[dict]) -> list[list[int]]:
+    """Each prompt's token ids on its own, for samplers that take prompts of different lengths."""
+    return [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
 
 
 def call_seed() -> int:
@@ -146,7 +151,7 @@ def sample_paged(model, tokenizer, items: list[dict], g, device) -> tuple[list, 
     """The same through transformers' continuous batching: each sequence stops at its own end."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    prompt_ids = [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+    prompt_ids = unpadded_prompt_ids(tokenizer, items)
     gen = GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
                            max_new_tokens=g.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id)

@@ -139,8 +139,7 @@ def compile_models(engine, ref, backend: str):
 
 
 def load_reference(ctx: StageContext, device):
-    base = Path(ctx.cfg.model.path) if ctx.cfg.model.path else ctx.paths.base_model
-    return load_policy(base, ctx.cfg.model.dtype, device).eval().requires_grad_(False)
+    return load_policy(ctx.base_model_path(), ctx.cfg.model.dtype, device).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:

@@ -67,8 +67,7 @@ def preload_model_code(ctx) -> None:
     of time; the base model's config names the architecture every later export shares."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = ctx.cfg
-    config = AutoConfig.from_pretrained(Path(cfg.model.path) if cfg.model.path else ctx.paths.base_model)
+    config = AutoConfig.from_pretrained(ctx.base_model_path())
     AutoModelForCausalLM._model_mapping[type(config)]  # the lookup imports the module
 
 

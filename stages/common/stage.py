@@ -67,7 +67,15 @@ class StageContext:
         """The model this iteration starts from: the previous iteration's export, or the base model."""
         if self.iteration > 0:
             return self.paths.model(self.iteration - 1)
+        return self.base_model_path()
+
+    def base_model_path(self) -> Path:
+        """The run's base model: model.path, or the built-in preset created in the run dir."""
         return Path(self.cfg.model.path) if self.cfg.model.path else self.paths.base_model
+
+    def fingerprint_inputs(self) -> str:
+        """Hash of what this stage reads: its upstream stages' marker outputs."""
+        return markers.input_fingerprint(self.paths, self.iteration, self.stage, base_model_id(self.cfg))
 
     def tokenizer_path(self) -> Path:
         if self.iteration == 0 and self.cfg.model.tokenizer:
@@ -130,11 +138,12 @@ def make_context(stage: str, run_dir: str, iteration: int, overrides=(), waiting
     if not paths.config.is_file():
         raise ConfigError(f"{paths.config} not found: start the run with `syncrl run CONFIG run_dir={run_dir}`")
     cfg = load_config(paths.config, overrides)
-    return StageContext(
-        stage=stage, iteration=iteration, cfg=cfg, paths=paths, info=dist_info(),
-        attempt=int(os.environ.get(ATTEMPT_VAR, "1")), config_hash=config_hash(cfg),
-        inputs="" if waiting else markers.input_fingerprint(paths, iteration, stage, base_model_id(cfg)),
-        waiting=waiting)
+    ctx = StageContext(stage=stage, iteration=iteration, cfg=cfg, paths=paths, info=dist_info(),
+                       attempt=int(os.environ.get(ATTEMPT_VAR, "1")), config_hash=config_hash(cfg), inputs="",
+                       waiting=waiting)
+    if not waiting:
+        ctx.inputs = ctx.fingerprint_inputs()
+    return ctx
 
 
 def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
@@ -178,7 +187,7 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
             waited = wait_for_turn(ctx, args.after, args.after_timeout, preload)
             if waited is None:
                 sys.exit(EXIT_GAVE_UP_WAITING)
-            ctx.inputs = markers.input_fingerprint(ctx.paths, ctx.iteration, stage, base_model_id(ctx.cfg))
+            ctx.inputs = ctx.fingerprint_inputs()
             ctx.start, ctx.waited_s, ctx.waiting = time.time(), waited, False
         else:
             ctx = make_context(stage, args.run_dir, args.iteration, args.overrides)

@@ -268,7 +268,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  exported GB          ", "  ".join(f"{r['save']['bytes'] / 1e9:>9.2f}" for r in per_it))
     print("  export GB/s          ", col("save", "export_gb_per_s", "{:>9.2f}"))
     print("\nreward mean          ", "  ".join(f"{r['reward_mean']:>9.3f}" for r in per_it))
-    print("\nstart-up per stage: process start (or, started early, the end of its wait) to first useful work (s)")
+    print("\nstart-up per stage: process start (started early: its turn) to first useful work (s)")
     for stage in ("generate", "train", "save"):
         print(f"  {stage:<21}", "  ".join(f"{r['startup_s'][stage]:>9.1f}" for r in per_it))
     print("\niteration wall s (generate's turn to save's marker)",
