@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from stages.common import markers
 from stages.common.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
+from stages.common.serialization import checkpoint_io
 from stages.common.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
@@ -29,8 +31,28 @@ def main(ctx: StageContext) -> None:
     if markers.read_marker(paths, it, "train") is None or not ckpt.is_dir():
         raise FileNotFoundError(f"checkpoint {ckpt} or the train marker of iteration {it} is missing; rerun: "
                                 f"syncrl rerun {paths.root} --iteration {it} --stage train")
+    # Deleting a checkpoint of several GB takes seconds and only needs this iteration's checkpoint to be
+    # complete (train's marker says so): it runs beside the export instead of after it.
+    with ThreadPoolExecutor(1, thread_name_prefix="prune") as pool:
+        pruning = pool.submit(prune_checkpoints, ctx)
+        consolidate_s, export_s, target = export_and_publish(ctx, tag)
+        pruned = pruning.result()
+    pruned += prune_models(ctx)
+    if pruned:
+        log.info("pruned %s", ", ".join(pruned))
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    ctx.summarize("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,
+                  consolidate_s, export_s, size / 1e9 / max(export_s, 1e-9))
+    ctx.write_marker([target], extra={"bytes": size, "consolidate_s": consolidate_s, "export_s": export_s,
+                                       "pruned": pruned, "prunable": [f"models/{target.name}/"]})
+
+
+def export_and_publish(ctx: StageContext, tag: str) -> tuple[float, float, Path]:
+    """Consolidate, export, verify and publish models/iter_I; returns (consolidate s, export s, its path)."""
+    paths, it = ctx.paths, ctx.iteration
     t0 = time.time()
-    state = consolidate(paths.checkpoints, tag)
+    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
+        state = consolidate(paths.checkpoints, tag)
     consolidate_s = time.time() - t0
     target = paths.model(it)
     tmp = target.with_name(f".{target.name}.tmp")
@@ -46,12 +68,7 @@ def main(ctx: StageContext) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish(tmp, target)
-    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
-    ctx.summarize("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,
-                  consolidate_s, export_s, size / 1e9 / max(export_s, 1e-9))
-    pruned = prune(ctx)
-    ctx.write_marker([target], extra={"bytes": size, "consolidate_s": consolidate_s, "export_s": export_s,
-                                       "pruned": pruned, "prunable": [f"models/{target.name}/"]})
+    return consolidate_s, export_s, target
 
 
 def preload(ctx) -> None:
@@ -108,21 +125,22 @@ def publish(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prune(ctx: StageContext) -> list[str]:
-    """Remove checkpoints and models beyond the retention counts; never anything newer than this iteration."""
-    paths, it, s = ctx.paths, ctx.iteration, ctx.cfg.save
+def prune_checkpoints(ctx: StageContext) -> list[str]:
+    """Remove DeepSpeed checkpoints beyond save.keep_checkpoints; never one newer than this iteration."""
+    return _prune(ctx, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints)
+
+
+def prune_models(ctx: StageContext) -> list[str]:
+    """Remove exported models beyond save.keep_models (0 keeps all), counting this iteration's, once published."""
+    return _prune(ctx, ctx.paths.models, ctx.cfg.save.keep_models) if ctx.cfg.save.keep_models else []
+
+
+def _prune(ctx: StageContext, parent: Path, keep: int) -> list[str]:
+    dirs = sorted(p for p in parent.glob("iter_*") if p.is_dir() and int(p.name[5:]) <= ctx.iteration)
     removed = []
-    tags = sorted(p for p in paths.checkpoints.glob("iter_*") if p.is_dir() and int(p.name[5:]) <= it)
-    for p in tags[:-s.keep_checkpoints]:
+    for p in dirs[:-keep]:
         shutil.rmtree(p)
-        removed.append(str(p.relative_to(paths.root)))
-    if s.keep_models:
-        models = sorted(p for p in paths.models.glob("iter_*") if p.is_dir() and int(p.name[5:]) <= it)
-        for p in models[:-s.keep_models]:
-            shutil.rmtree(p)
-            removed.append(str(p.relative_to(paths.root)))
-    if removed:
-        log.info("pruned %s", ", ".join(removed))
+        removed.append(str(p.relative_to(ctx.paths.root)))
     return removed
 
 

@@ -23,6 +23,7 @@ from stages.common.logs import Phases, Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
 from stages.common.memory import release_cached_memory
 from stages.common.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
+from stages.common.serialization import checkpoint_io
 from stages.common.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
@@ -90,7 +91,8 @@ def main(ctx: StageContext) -> None:
     t2 = time.time()
     watchdog.beat("save checkpoint")
     release_cached_memory()
-    engine.save_checkpoint(str(ctx.paths.checkpoints), tag=tag, client_state={"iteration": ctx.iteration})
+    with checkpoint_io(t.checkpoint_mmap):
+        engine.save_checkpoint(str(ctx.paths.checkpoints), tag=tag, client_state={"iteration": ctx.iteration})
     watchdog.beat("finish")
     save_s = time.time() - t2
     outputs = []
@@ -198,8 +200,9 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     ctx.paths.checkpoints / tag, ctx.policy_path())
         return
-    path, _ = engine.load_checkpoint(str(ctx.paths.checkpoints), tag=tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
+        path, _ = engine.load_checkpoint(str(ctx.paths.checkpoints), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ctx.paths.checkpoints / tag}")
     log.info("resumed weights and optimizer state from %s", path)

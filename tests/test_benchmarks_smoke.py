@@ -70,3 +70,16 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path):
     import json
     figures = json.loads((tmp_path / "pipe.json").read_text())
     assert 0 < figures["non_compute_share"][0] < 1 and figures["checkpoint_bytes"] > 0
+
+
+def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_path):
+    # Two ranks (ZeRO-2 partitions), every variant: the script itself fails if any rank's optimizer
+    # state reads back different.
+    import json
+    out = run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/benchmarks/checkpoint_io.py",
+               "--preset", "tiny-llama", "--model-dir", str(tmp_path / "base"), "--dir", str(tmp_path / "ckpt"),
+               "--json", str(tmp_path / "io.json")])
+    assert "plain write" in out and out.count("read back identical") == 4
+    rows = json.loads((tmp_path / "io.json").read_text())["results"]
+    assert [r["variant"] for r in rows] == ["default", "nocrc", "pinned", "mmap"]
+    assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)

@@ -58,6 +58,9 @@ def test_two_iterations_then_everything_skipped(tmp_path):
     assert "iteration 1 train    started early (attempt 1): loading while save runs" in proc.stderr
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
     assert train["world_size"] == 2 and train["steps"] >= 1
+    # save.keep_checkpoints=1: iteration 1's save removed iteration 0's checkpoint (beside its export).
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_00001"]
+    assert json.loads((run / "iter_00001" / "markers" / "save.done").read_text())["pruned"] == ["checkpoints/iter_00000"]
 
     again = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL)
     assert again.returncode == 0, again.stderr[-3000:]

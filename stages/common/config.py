@@ -139,6 +139,9 @@ class TrainConfig:
     # recompile: it pays off for long train stages); "aot_eager" traces without generating code
     # (checks that a model compiles, cheaply); "eager" does not compile.
     compile: str = "eager"
+    # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
+    # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.
+    checkpoint_mmap: bool = True
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)

@@ -1,0 +1,177 @@
+"""Benchmark: the train stage's DeepSpeed checkpoint, written and read back under torch's serialization settings.
+
+Every iteration train writes a full DeepSpeed checkpoint (bf16 weights plus fp32 master weights and
+both Adam moments: 14 bytes per parameter, 6.66 GB for the ~0.48B preset) and the next train reads it
+back, both on the iteration's critical path. This builds the engine train builds (the preset, the
+ZeRO config of configs/gpu_small.yaml), takes one optimizer step so that the Adam state exists, then
+for each variant times engine.save_checkpoint and engine.load_checkpoint (what train calls),
+checks that every rank's fp32 master partition and Adam moments read back bit-identical, and prints
+seconds and GB/s (slowest rank). A plain write of the same number of bytes from host memory into
+the same directory is printed first: the filesystem's own ceiling. Variants (the settings of
+torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go through):
+
+  default   torch's defaults: a CRC-32 over every tensor's bytes, device-to-host copies into pageable memory
+  nocrc     save.compute_crc32 = False
+  pinned    nocrc + save.use_pinned_memory_for_d2h = True
+  mmap      pinned for the write; load.mmap = True for the read (pages come straight from the page cache)
+
+    python -m torch.distributed.run --nproc-per-node N tests/benchmarks/checkpoint_io.py \\
+        [--preset small-llama] [--dir /tmp/syncrl-ckpt] [--variants default,nocrc,pinned,mmap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {
+    "default": ({}, {}),
+    "nocrc": ({"compute_crc32": False}, {}),
+    "pinned": ({"compute_crc32": False, "use_pinned_memory_for_d2h": True}, {}),
+    "mmap": ({"compute_crc32": False, "use_pinned_memory_for_d2h": True}, {"mmap": True}),
+}
+
+
+def optimizer_tensors(engine) -> list:
+    """This rank's fp32 master partitions and Adam moments, flattened, in a fixed order."""
+    opt = engine.optimizer
+    out = [t for t in opt.single_partition_of_fp32_groups]
+    for t in opt.single_partition_of_fp32_groups:
+        state = opt.optimizer.state[t]
+        out += [state["exp_avg"], state["exp_avg_sq"]]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small-llama")
+    parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
+    parser.add_argument("--dir", default="/tmp/syncrl-ckpt", help="where checkpoints are written (emptied first)")
+    parser.add_argument("--variants", default="default,nocrc,pinned,mmap")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+
+    import deepspeed
+    import torch
+    import torch.distributed as tdist
+    from torch.utils.serialization import config as ser
+
+    from stages.common.modeling import device_for, load_policy
+    from stages.common.tiny_model import create_base_model
+    from stages.train import _skip_cpu_inference_op
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = device_for(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tdist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    _skip_cpu_inference_op(deepspeed)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    model_dir, out = Path(args.model_dir), Path(args.dir)
+    if rank == 0:
+        if not model_dir.is_dir():
+            create_base_model(model_dir, args.preset)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+    tdist.barrier()
+
+    ds = json.loads((ROOT / "configs/ds_zero2_gpu.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=world)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if device.type != "cuda":
+        ds.pop("bf16", None)
+    model = load_policy(model_dir, dtype, device)
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    ids = torch.randint(4, model.config.vocab_size, (1, 64), device=device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    expected = [t.detach().clone() for t in optimizer_tensors(engine)]
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return float(t.item())
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        tdist.barrier()
+
+    results = []
+    local_bytes = sum(t.numel() * t.element_size() for t in expected)
+    if rank == 0:
+        local_bytes += sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    host = torch.empty(local_bytes, dtype=torch.uint8).fill_(1)
+    sync()
+    t0 = time.perf_counter()
+    with open(out / f"plain.rank{rank}", "wb") as f:
+        f.write(memoryview(host.numpy()))
+    plain_s = slowest(time.perf_counter() - t0)
+    all_bytes = _sum(tdist, torch, local_bytes, device)
+    del host
+    (out / f"plain.rank{rank}").unlink()
+    if rank == 0:
+        print(f"{world} rank(s), {args.preset}, {all_bytes / 1e9:.2f} GB per checkpoint, into {out}")
+        print(f"{'plain write':<10} {plain_s:7.2f} s  {all_bytes / 1e9 / plain_s:6.2f} GB/s  "
+              "(host memory to file, no serialization: the ceiling)", flush=True)
+    for name in args.variants.split(","):
+        save_cfg, load_cfg = VARIANTS[name]
+        with ser.patch(**{f"save.{k}": v for k, v in save_cfg.items()}, **{f"load.{k}": v for k, v in load_cfg.items()}):
+            sync()
+            t0 = time.perf_counter()
+            engine.save_checkpoint(str(out), tag=name)
+            sync()
+            save_s = slowest(time.perf_counter() - t0)
+            with torch.no_grad():
+                for t in optimizer_tensors(engine):
+                    t.zero_()
+            sync()
+            t0 = time.perf_counter()
+            path, _ = engine.load_checkpoint(str(out), tag=name, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
+            sync()
+            load_s = slowest(time.perf_counter() - t0)
+        if path is None:
+            raise SystemExit(f"variant {name}: DeepSpeed could not load {out / name}")
+        same = all(torch.equal(a, b) for a, b in zip(optimizer_tensors(engine), expected))
+        size = sum(f.stat().st_size for f in (out / name).rglob("*") if f.is_file())
+        r = {"variant": name, "save_s": save_s, "load_s": load_s, "bytes": size, "identical": same}
+        results.append(r)
+        if rank == 0:
+            print(f"{name:<10} save {save_s:6.2f} s {size / 1e9 / save_s:6.2f} GB/s   load {load_s:6.2f} s "
+                  f"{size / 1e9 / load_s:6.2f} GB/s   optimizer state read back "
+                  f"{'identical' if same else 'DIFFERENT'} (rank 0)", flush=True)
+        if not same:
+            raise SystemExit(f"variant {name}: optimizer state read back differs on rank {rank}")
+        tdist.barrier()
+        if rank == 0:
+            shutil.rmtree(out / name)
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps({"plain_write_s": plain_s, "results": results}, indent=1) + "\n")
+    tdist.destroy_process_group()
+    return 0
+
+
+def _sum(tdist, torch, n: int, device) -> int:
+    t = torch.tensor([n], dtype=torch.float64, device=device)
+    tdist.all_reduce(t)
+    return int(t.item())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

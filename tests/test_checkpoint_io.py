@@ -1,0 +1,79 @@
+"""Checkpoint I/O settings (stages/common/serialization.py) and save's retention of checkpoints and models."""
+
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stages.common.paths import RunPaths
+from stages.common.serialization import checkpoint_io
+from stages.save import prune_checkpoints, prune_models
+
+
+def crcs(path: Path) -> list[int]:
+    return [i.CRC for i in zipfile.ZipFile(path).infolist() if "/data/" in i.filename]
+
+
+def mapped(path: Path) -> bool:
+    return str(path.resolve()) in Path("/proc/self/maps").read_text()
+
+
+def test_written_without_crc_and_read_through_mmap(tmp_path):
+    state = {"exp_avg": torch.arange(4096, dtype=torch.float32), "step": torch.tensor(3)}
+    plain, fast = tmp_path / "plain.pt", tmp_path / "fast.pt"
+    torch.save(state, plain)
+    with checkpoint_io(mmap=True):
+        torch.save(state, fast)
+        back = torch.load(fast, weights_only=True)
+        assert mapped(fast)
+    assert all(c != 0 for c in crcs(plain)) and all(c == 0 for c in crcs(fast))
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    del back
+    # Outside the block torch's own defaults are back: a CRC on write, a plain read.
+    again = tmp_path / "again.pt"
+    torch.save(state, again)
+    assert all(c != 0 for c in crcs(again))
+    loaded = torch.load(again, weights_only=True)
+    assert not mapped(again) and torch.equal(loaded["exp_avg"], state["exp_avg"])
+
+
+def test_mmap_off_reads_into_memory(tmp_path):
+    path = tmp_path / "c.pt"
+    with checkpoint_io(mmap=False):
+        torch.save({"w": torch.ones(1024)}, path)
+        loaded = torch.load(path, weights_only=True)
+    assert not mapped(path) and all(c == 0 for c in crcs(path)) and loaded["w"].sum() == 1024
+
+
+def run_dir(tmp_path, iterations: int, keep_checkpoints: int, keep_models: int, it: int):
+    paths = RunPaths(tmp_path)
+    for i in range(iterations):
+        (paths.checkpoints / f"iter_{i:05d}").mkdir(parents=True)
+        (paths.checkpoints / f"iter_{i:05d}" / "state.pt").write_bytes(b"x")
+        (paths.models / f"iter_{i:05d}").mkdir(parents=True)
+    (paths.models / "base").mkdir()
+    cfg = SimpleNamespace(save=SimpleNamespace(keep_checkpoints=keep_checkpoints, keep_models=keep_models))
+    return SimpleNamespace(paths=paths, cfg=cfg, iteration=it)
+
+
+def names(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir())
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_prune_checkpoints_keeps_the_newest_and_never_a_later_one(tmp_path, keep):
+    # A rerun of save for iteration 2 while iteration 3's checkpoint already exists: 3 is not touched.
+    ctx = run_dir(tmp_path, 4, keep, 0, it=2)
+    removed = prune_checkpoints(ctx)
+    kept = ["iter_00002"] if keep == 1 else ["iter_00001", "iter_00002"]
+    assert names(ctx.paths.checkpoints) == kept + ["iter_00003"]
+    assert removed == [f"checkpoints/iter_{i:05d}" for i in range(3 - keep)]
+
+
+def test_prune_models_counts_this_iterations_export_and_keeps_base(tmp_path):
+    ctx = run_dir(tmp_path, 4, 1, 2, it=3)
+    assert prune_models(ctx) == ["models/iter_00000", "models/iter_00001"]
+    assert names(ctx.paths.models) == ["base", "iter_00002", "iter_00003"]
+    assert prune_models(run_dir(tmp_path / "all", 4, 1, 0, it=3)) == []  # keep_models 0: every export stays
