@@ -6,17 +6,21 @@ back, both on the iteration's critical path. This builds the engine train builds
 ZeRO config of configs/gpu_small.yaml), takes one optimizer step so that the Adam state exists, then
 for each variant times engine.save_checkpoint and engine.load_checkpoint (what train calls),
 checks that every rank's fp32 master partition and Adam moments read back bit-identical, and prints
-seconds and GB/s (slowest rank). A plain write of the same number of bytes from host memory into
-the same directory is printed first: the filesystem's own ceiling. Variants (the settings of
-torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go through):
+seconds and GB/s (slowest rank) per run and the mean per variant. A plain write of the same number
+of bytes from host memory into the same directory is printed first: the filesystem's own ceiling.
 
-  default   torch's defaults: a CRC-32 over every tensor's bytes, device-to-host copies into pageable memory
+A variant is "default" (torch's settings: a CRC-32 over every tensor's bytes on write, device-to-host
+copies into pageable memory, reads into fresh host memory) or settings of
+torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go through, joined by "+":
+
   nocrc     save.compute_crc32 = False
-  pinned    nocrc + save.use_pinned_memory_for_d2h = True
-  mmap      pinned for the write; load.mmap = True for the read (pages come straight from the page cache)
+  pinned    save.use_pinned_memory_for_d2h = True
+  mmap      load.mmap = True (tensors come straight from the page cache the write filled)
+
+syncrl's train and save stages use nocrc+mmap (stages/common/serialization.py).
 
     python -m torch.distributed.run --nproc-per-node N tests/benchmarks/checkpoint_io.py \\
-        [--preset small-llama] [--dir /tmp/syncrl-ckpt] [--variants default,nocrc,pinned,mmap]
+        [--preset small-llama] [--dir /tmp/syncrl-ckpt] [--repeats 2] [--variants default,nocrc,nocrc+mmap]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,12 +37,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {
-    "default": ({}, {}),
-    "nocrc": ({"compute_crc32": False}, {}),
-    "pinned": ({"compute_crc32": False, "use_pinned_memory_for_d2h": True}, {}),
-    "mmap": ({"compute_crc32": False, "use_pinned_memory_for_d2h": True}, {"mmap": True}),
+SETTINGS = {  # variant part -> (torch.utils.serialization.config section, key, value)
+    "nocrc": ("save", "compute_crc32", False),
+    "pinned": ("save", "use_pinned_memory_for_d2h", True),
+    "mmap": ("load", "mmap", True),
 }
+
+
+def variant_settings(name: str) -> tuple[dict, dict]:
+    """("save" settings, "load" settings) of a variant: "default", or parts of SETTINGS joined by "+"."""
+    out = {"save": {}, "load": {}}
+    for part in [] if name == "default" else name.split("+"):
+        if part not in SETTINGS:
+            raise SystemExit(f"unknown variant part {part!r} in {name!r}: use default or {'+'.join(SETTINGS)}")
+        section, key, value = SETTINGS[part]
+        out[section][key] = value
+    return out["save"], out["load"]
 
 
 def optimizer_tensors(engine) -> list:
@@ -55,12 +70,12 @@ def main() -> int:
     parser.add_argument("--preset", default="small-llama")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--dir", default="/tmp/syncrl-ckpt", help="where checkpoints are written (emptied first)")
-    parser.add_argument("--variants", default="default,nocrc,pinned,mmap")
+    parser.add_argument("--variants", default="default,nocrc,nocrc+mmap,nocrc+mmap+pinned")
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the variants, in mirrored order")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     for v in args.variants.split(","):
-        if v not in VARIANTS:
-            raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        variant_settings(v)
 
     import deepspeed
     import torch
@@ -129,8 +144,8 @@ def main() -> int:
         print(f"{world} rank(s), {args.preset}, {all_bytes / 1e9:.2f} GB per checkpoint, into {out}")
         print(f"{'plain write':<10} {plain_s:7.2f} s  {all_bytes / 1e9 / plain_s:6.2f} GB/s  "
               "(host memory to file, no serialization: the ceiling)", flush=True)
-    for name in args.variants.split(","):
-        save_cfg, load_cfg = VARIANTS[name]
+    def measure(name: str) -> dict:
+        save_cfg, load_cfg = variant_settings(name)
         with ser.patch(**{f"save.{k}": v for k, v in save_cfg.items()}, **{f"load.{k}": v for k, v in load_cfg.items()}):
             sync()
             t0 = time.perf_counter()
@@ -149,18 +164,28 @@ def main() -> int:
         if path is None:
             raise SystemExit(f"variant {name}: DeepSpeed could not load {out / name}")
         same = all(torch.equal(a, b) for a, b in zip(optimizer_tensors(engine), expected))
-        size = sum(f.stat().st_size for f in (out / name).rglob("*") if f.is_file())
-        r = {"variant": name, "save_s": save_s, "load_s": load_s, "bytes": size, "identical": same}
-        results.append(r)
-        if rank == 0:
-            print(f"{name:<10} save {save_s:6.2f} s {size / 1e9 / save_s:6.2f} GB/s   load {load_s:6.2f} s "
-                  f"{size / 1e9 / load_s:6.2f} GB/s   optimizer state read back "
-                  f"{'identical' if same else 'DIFFERENT'} (rank 0)", flush=True)
         if not same:
             raise SystemExit(f"variant {name}: optimizer state read back differs on rank {rank}")
+        size = sum(f.stat().st_size for f in (out / name).rglob("*") if f.is_file())
         tdist.barrier()
         if rank == 0:
             shutil.rmtree(out / name)
+            print(f"{name:<18} save {save_s:6.2f} s {size / 1e9 / save_s:6.2f} GB/s   load {load_s:6.2f} s "
+                  f"{size / 1e9 / load_s:6.2f} GB/s   optimizer state read back identical", flush=True)
+        return {"variant": name, "save_s": save_s, "load_s": load_s, "bytes": size, "identical": same}
+
+    # Mirrored order (A B C, C B A, ...): the page cache's write-back of one variant's files slows the
+    # next one's write, and the mirror spreads that over every variant.
+    names = args.variants.split(",")
+    for rep in range(args.repeats):
+        results += [measure(n) for n in (names if rep % 2 == 0 else names[::-1])]
+    if rank == 0:
+        print(f"mean of {args.repeats}:")
+        for n in names:
+            rs = [r for r in results if r["variant"] == n]
+            save_s, load_s = (statistics.mean(r[k] for r in rs) for k in ("save_s", "load_s"))
+            print(f"{n:<18} save {save_s:6.2f} s {rs[0]['bytes'] / 1e9 / save_s:6.2f} GB/s   "
+                  f"load {load_s:6.2f} s {rs[0]['bytes'] / 1e9 / load_s:6.2f} GB/s")
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps({"plain_write_s": plain_s, "results": results}, indent=1) + "\n")
     tdist.destroy_process_group()
