@@ -24,7 +24,10 @@ def test_written_without_crc_and_read_through_mmap(tmp_path):
     state = {"exp_avg": torch.arange(4096, dtype=torch.float32), "step": torch.tensor(3)}
     plain, fast = tmp_path / "plain.pt", tmp_path / "fast.pt"
     torch.save(state, plain)
+    from torch.utils.serialization import config
+
     with checkpoint_io(mmap=True):
+        assert config.save.use_pinned_memory_for_d2h  # takes effect on a GPU only
         torch.save(state, fast)
         back = torch.load(fast, weights_only=True)
         assert mapped(fast)
@@ -32,6 +35,7 @@ def test_written_without_crc_and_read_through_mmap(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in state.items())
     del back
     # Outside the block torch's own defaults are back: a CRC on write, a plain read.
+    assert not config.save.use_pinned_memory_for_d2h
     again = tmp_path / "again.pt"
     torch.save(state, again)
     assert all(c != 0 for c in crcs(again))

@@ -6,6 +6,8 @@ process-wide settings apply to it. tests/benchmarks/checkpoint_io.py measures ea
 
 - No CRC-32 on write: torch.load does not check it (a flipped byte in a tensor loads silently), so
   it costs a pass over every byte and protects nothing; completeness is the marker's job (sizes).
+- Device-to-host copies into pinned memory: one GPU tensor at a time, so the pinned buffer is the
+  size of the largest tensor (a ZeRO flat partition), not of the checkpoint.
 - Memory-mapped reads (optional): tensors come straight from the page cache that train's write just
   filled, instead of being read into freshly allocated host memory first.
 """
@@ -25,9 +27,10 @@ def checkpoint_io(mmap: bool):
         from torch.utils.serialization import config
     except ImportError:
         config = None
-    if config is None or not (hasattr(config.save, "compute_crc32") and hasattr(config.load, "mmap")):
-        log.info("this torch has no save.compute_crc32 / load.mmap setting: checkpoint I/O keeps its defaults")
+    settings = {"save.compute_crc32": False, "save.use_pinned_memory_for_d2h": True, "load.mmap": bool(mmap)}
+    if config is None or not all(hasattr(getattr(config, k.split(".")[0]), k.split(".")[1]) for k in settings):
+        log.info("this torch lacks one of %s: checkpoint I/O keeps its defaults", ", ".join(settings))
         yield
         return
-    with config.patch(**{"save.compute_crc32": False, "load.mmap": bool(mmap)}):
+    with config.patch(**settings):
         yield
