@@ -212,6 +212,27 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
         print(f"{stage}: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Flush every stream, then end the process without the interpreter's teardown.
+
+    Outputs and marker are on disk by now, and the next stage's turn comes when this process has
+    exited: unloading torch, DeepSpeed and transformers module by module took 0.7-1.0 s per process on
+    2 CPU cores and about 3 s for a train process on an H200, all on the iteration's critical path. A
+    teardown that hangs (a broken communicator's destructor) cannot hold the stage either.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # C-level output (NCCL's, compiled ops') is buffered when redirected
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
