@@ -59,10 +59,12 @@ def export_and_publish(ctx: StageContext, tag: str) -> tuple[float, float, Path]
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
     dtype = ctx.cfg.model.dtype if ctx.cfg.save.export_dtype == "model" else ctx.cfg.save.export_dtype
     t1 = time.time()
+    weights = {k: v.to(DTYPES[dtype]) for k, v in state.items()}  # cast once: written, then compared
+    del state
     try:
-        export(ctx.policy_path(), state, dtype, tmp, ctx)
+        export(ctx.policy_path(), weights, dtype, tmp, ctx)
         export_s = time.time() - t1
-        verify(tmp, state, dtype)
+        verify(tmp, weights, dtype)
     except BaseException:
         # A full disk or a bad export leaves nothing half-written behind; what was published stays.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -85,8 +87,8 @@ def consolidate(checkpoint_dir: Path, tag: str) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
-def export(policy: Path, state: dict, dtype: str, out: Path, ctx: StageContext) -> None:
-    """The policy's architecture with the consolidated weights, written as an HF model in `dtype`.
+def export(policy: Path, weights: dict, dtype: str, out: Path, ctx: StageContext) -> None:
+    """The policy's architecture with the consolidated weights (already in `dtype`), written as an HF model.
 
     The model is built on the meta device and takes the weights by reference: nothing is initialised
     or read from the previous export.
@@ -96,8 +98,7 @@ def export(policy: Path, state: dict, dtype: str, out: Path, ctx: StageContext) 
     config = AutoConfig.from_pretrained(policy)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
@@ -107,11 +108,11 @@ def export(policy: Path, state: dict, dtype: str, out: Path, ctx: StageContext) 
     load_tokenizer(ctx.tokenizer_path()).save_pretrained(out)
 
 
-def verify(out: Path, state: dict, dtype: str) -> None:
-    """Reload the export and compare every tensor with the consolidated weights in the export dtype."""
+def verify(out: Path, weights: dict, dtype: str) -> None:
+    """Reload the export and compare every tensor with the consolidated weights (in the export dtype)."""
     reloaded = load_policy(out, dtype).state_dict()
-    for name, tensor in state.items():
-        if name in reloaded and not torch.equal(reloaded[name], tensor.to(DTYPES[dtype])):
+    for name, tensor in weights.items():
+        if name in reloaded and not torch.equal(reloaded[name], tensor):
             raise RuntimeError(f"exported model at {out} differs from the checkpoint at {name}")
 
 

@@ -81,3 +81,19 @@ def test_prune_models_counts_this_iterations_export_and_keeps_base(tmp_path):
     assert prune_models(ctx) == ["models/iter_00000", "models/iter_00001"]
     assert names(ctx.paths.models) == ["base", "iter_00002", "iter_00003"]
     assert prune_models(run_dir(tmp_path / "all", 4, 1, 0, it=3)) == []  # keep_models 0: every export stays
+
+
+def test_verify_compares_every_exported_tensor(tmp_path):
+    from safetensors.torch import load_file
+
+    from stages.common.tiny_model import create_base_model
+    from stages.save import verify
+
+    model = create_base_model(tmp_path / "m", "tiny-llama")
+    weights = load_file(model / "model.safetensors")
+    verify(model, weights, "float32")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] += 1
+    with pytest.raises(RuntimeError, match=f"differs from the checkpoint at {name}"):
+        verify(model, weights, "float32")
