@@ -65,11 +65,13 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path):
                "--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "pipe.json"),
                "data.prompts_per_iteration=8"], timeout=600)
     for needle in ("wall time per stage", "train start-up phases", "deepspeed_initialize", "checkpoint GB/s",
-                   "start-up per stage", "non-compute share", "tensors differ from base"):
+                   "start-up per stage", "non-compute share", "tensors differ from base", "process exit"):
         assert needle in out, needle
     import json
     figures = json.loads((tmp_path / "pipe.json").read_text())
     assert 0 < figures["non_compute_share"][0] < 1 and figures["checkpoint_bytes"] > 0
+    exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
+    assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save"]) and min(exits.values()) >= 0
 
 
 def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_path):

@@ -15,6 +15,7 @@ then prints, from the completion markers:
   dense bf16, datasheet). A second figure counts every position the GPUs ran (prompt, completion and
   right padding of each micro-batch);
 - save: consolidation of the ZeRO checkpoint, HF export time, exported bytes and GB/s;
+- process exit: from a stage's last rank marker to the coordinator seeing its processes gone;
 - that every exported model loads with AutoModelForCausalLM.from_pretrained, and that training
   changed the weights.
 
@@ -178,6 +179,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             # The iteration as the clock saw it: generate's turn to save's marker (stages started early
             # overlap their imports with earlier stages; their duration_s counts from their turn).
             "iteration_s": m["save"]["end"] - m["generate"]["start"],
+            # From the last rank's marker to the coordinator seeing every process gone: the next
+            # stage's turn waits for it.
+            "exit_s": {s: m[s]["end"] - max(r["end"] for r in rank_markers(run_dir, it, s)) for s in STAGES},
             "generate": {
                 "ranks": len(gen), "rows": sum(r["rows"] for r in gen), "new_tokens": gen_tokens,
                 "load_s": max(r["load_s"] for r in gen), "generate_s": gen_s,
@@ -271,6 +275,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("\nstart-up per stage: process start (started early: its turn) to first useful work (s)")
     for stage in ("generate", "train", "save"):
         print(f"  {stage:<21}", "  ".join(f"{r['startup_s'][stage]:>9.1f}" for r in per_it))
+    print("\nprocess exit: the last rank's marker to the stage's (s)")
+    for stage in STAGES:
+        print(f"  {stage:<21}", "  ".join(f"{r['exit_s'][stage]:>9.2f}" for r in per_it))
     print("\niteration wall s (generate's turn to save's marker)",
           "  ".join(f"{r['iteration_s']:>9.1f}" for r in per_it), f"  | mean {fmean(r['iteration_s'] for r in per_it):.1f}")
     print("\nnon-compute share of the iteration: 1 - (sampling + update) / iteration wall")
