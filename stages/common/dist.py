@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,10 @@ def destroy_process_group() -> None:
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
+        t0 = time.time()
         tdist.destroy_process_group()
+        # Part of the process's exit, which the next stage's turn waits for.
+        log.info("process group closed in %.2fs", time.time() - t0)
 
 
 def pick_backend(requested: str) -> str:
@@ -198,7 +202,6 @@ def file_barrier(directory, name: str, rank: int, world_size: int, timeout_s: fl
     `name` must be unique per run, iteration, stage and attempt (callers build it from those), so
     arrival files are never deleted: a rank still waiting can never miss one that was cleaned up.
     """
-    import time
     from pathlib import Path
 
     directory = Path(directory)
@@ -231,7 +234,6 @@ class ProgressWatchdog:
 
     def __init__(self, timeout_s: float, on_timeout=None):
         import threading
-        import time
 
         self._time = time.monotonic
         self.timeout_s = timeout_s
