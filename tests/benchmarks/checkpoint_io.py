@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -82,21 +81,13 @@ def main() -> int:
     import torch.distributed as tdist
     from torch.utils.serialization import config as ser
 
-    from stages.common.modeling import device_for, load_policy
+    from stages.common.modeling import load_policy
     from stages.common.tiny_model import create_base_model
-    from stages.train import _skip_cpu_inference_op
 
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = device_for(int(os.environ["LOCAL_RANK"]))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    tdist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    _skip_cpu_inference_op(deepspeed)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from train_mfu import join_process_group
+
+    rank, world, device = join_process_group()
     model_dir, out = Path(args.model_dir), Path(args.dir)
     if rank == 0:
         if not model_dir.is_dir():
@@ -117,9 +108,10 @@ def main() -> int:
     engine.step()
     expected = [t.detach().clone() for t in optimizer_tensors(engine)]
 
-    def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    def all_ranks(value: float, op=tdist.ReduceOp.MAX) -> float:
+        """`value` reduced over the ranks: the slowest rank's seconds by default."""
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        tdist.all_reduce(t, op=op)
         return float(t.item())
 
     def sync():
@@ -136,8 +128,8 @@ def main() -> int:
     t0 = time.perf_counter()
     with open(out / f"plain.rank{rank}", "wb") as f:
         f.write(memoryview(host.numpy()))
-    plain_s = slowest(time.perf_counter() - t0)
-    all_bytes = _sum(tdist, torch, local_bytes, device)
+    plain_s = all_ranks(time.perf_counter() - t0)
+    all_bytes = int(all_ranks(local_bytes, tdist.ReduceOp.SUM))
     del host
     (out / f"plain.rank{rank}").unlink()
     if rank == 0:
@@ -151,7 +143,7 @@ def main() -> int:
             t0 = time.perf_counter()
             engine.save_checkpoint(str(out), tag=name)
             sync()
-            save_s = slowest(time.perf_counter() - t0)
+            save_s = all_ranks(time.perf_counter() - t0)
             with torch.no_grad():
                 for t in optimizer_tensors(engine):
                     t.zero_()
@@ -160,7 +152,7 @@ def main() -> int:
             path, _ = engine.load_checkpoint(str(out), tag=name, load_optimizer_states=True,
                                              load_lr_scheduler_states=True)
             sync()
-            load_s = slowest(time.perf_counter() - t0)
+            load_s = all_ranks(time.perf_counter() - t0)
         if path is None:
             raise SystemExit(f"variant {name}: DeepSpeed could not load {out / name}")
         same = all(torch.equal(a, b) for a, b in zip(optimizer_tensors(engine), expected))
@@ -190,12 +182,6 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"plain_write_s": plain_s, "results": results}, indent=1) + "\n")
     tdist.destroy_process_group()
     return 0
-
-
-def _sum(tdist, torch, n: int, device) -> int:
-    t = torch.tensor([n], dtype=torch.float64, device=device)
-    tdist.all_reduce(t)
-    return int(t.item())
 
 
 if __name__ == "__main__":

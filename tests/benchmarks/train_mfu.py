@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
 import time
@@ -88,6 +87,25 @@ def build_in_place(name: str, ds: dict, dtype: str):
     return model
 
 
+def join_process_group():
+    """The process group as train sets it up, from torchrun's variables or for one process (DeepSpeed
+    then makes the group itself); returns (rank, world size, this rank's device)."""
+    import deepspeed
+
+    from stages.common import dist
+    from stages.common.modeling import device_for
+    from stages.train import _skip_cpu_inference_op
+
+    info = dist.dist_info()
+    device = device_for(info.local_rank)
+    dist.export_torch_env(info)
+    backend = dist.pick_backend("auto")
+    dist.init_process_group(info, backend, timeout_s=600)
+    _skip_cpu_inference_op(deepspeed)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return info.rank, info.world_size, device
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small-llama")
@@ -105,16 +123,12 @@ def main() -> int:
     import torch.distributed as tdist
 
     from stages.common import flops
-    from stages.common.modeling import device_for, load_policy
+    from stages.common.modeling import load_policy
     from stages.common.tiny_model import create_base_model
     from stages.common.batches import collate
     from stages.train import micro_step
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    tdist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    rank, world, device = join_process_group()
     model_dir = Path(args.model_dir)
     if args.shape is None and rank == 0 and not model_dir.is_dir():
         create_base_model(model_dir, args.preset)
