@@ -11,12 +11,15 @@ truncated distribution; the recorded log-probs are still the policy's, which is 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import math
 import time
 
 import torch
 
+from stages.common import decoding
 from stages.common.batches import completion_logprobs
 from stages.common.data import iteration_prompts, load_problems, shard
 from stages.common.logs import Progress
@@ -59,18 +62,9 @@ def main(ctx: StageContext) -> None:
     items = shard(iteration_prompts(cfg.data, problems, cfg.seed, ctx.iteration), ctx.rank, ctx.world_size)
     torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
 
-    per_call = max(1, g.batch_size // g.attempts)
-    rows, new_tokens = [], 0
     t1 = time.time()
-    bar = Progress(len(items), f"generate iteration {ctx.iteration}: prompts", ctx.rank)
-    for start in range(0, len(items), per_call):
-        batch = items[start:start + per_call]
-        batch_rows = sample_batch(model, tokenizer, batch, g, device, sampler)
-        new_tokens += sum(len(r["completion_ids"]) for r in batch_rows)
-        rows += batch_rows
-        bar.update(len(batch))
-        release_cached_memory()
-    bar.close()
+    rows, stats = sample_rows(model, tokenizer, items, g, device, sampler, ctx.rank)
+    new_tokens = sum(len(r["completion_ids"]) for r in rows)
     gen_s = time.time() - t1
     for r in rows:
         r["rank"] = ctx.rank
@@ -80,7 +74,7 @@ def main(ctx: StageContext) -> None:
     ctx.summarize("wrote %d completions for %d prompts (%d new tokens, %.0f tok/s) to %s",
                   n, len(items), new_tokens, tps, out)
     ctx.write_marker([out], extra={"rows": n, "new_tokens": new_tokens, "tokens_per_s": tps,
-                                   "load_s": load_s, "generate_s": gen_s})
+                                   "load_s": load_s, "generate_s": gen_s, "sampling": stats})
 
 
 def sample_seed(seed: int, iteration: int, rank: int) -> int:
@@ -89,15 +83,78 @@ def sample_seed(seed: int, iteration: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
+def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, rank: int = 0) -> tuple[list, dict]:
+    """Rows for every item x g.attempts samples, with the policy's log-probs of the sampled tokens,
+    and figures on how they were sampled (the marker's `sampling`)."""
+    if sampler is None and g.cache == "compact":
+        t0 = time.time()
+        completions, stats = sample_compact(model, tokenizer, items, g, device)
+        stats["sample_s"] = time.time() - t0
+        rows = completion_rows(tokenizer, items, g, unpadded_prompt_ids(tokenizer, items), completions)
+        t0 = time.time()
+        add_logprobs(model, rows, g, device)
+        stats["logprob_pass_s"] = time.time() - t0
+        return rows, stats
+    per_call = max(1, (g.batch_size or 64) // g.attempts)
+    rows = []
+    bar = Progress(len(items), "generate: prompts", rank)
+    for start in range(0, len(items), per_call):
+        batch = items[start:start + per_call]
+        rows += sample_batch(model, tokenizer, batch, g, device, sampler)
+        bar.update(len(batch))
+        release_cached_memory()
+    bar.close()
+    return rows, {"calls": math.ceil(len(items) / per_call)}
+
+
+def sample_compact(model, tokenizer, items: list[dict], g, device) -> tuple[list, dict]:
+    """Completions through stages/common/decoding.py, as many sequences at once as fit."""
+    prompt_ids = unpadded_prompt_ids(tokenizer, items)
+    length = decoding.buffer_length(max(len(p) for p in prompt_ids), g.max_new_tokens)
+    n_seq = len(items) * g.attempts
+    fit = decoding.rows_that_fit(model, length, g.memory_fraction)
+    cap = min(n_seq, g.batch_size or n_seq, fit)
+    if cap < g.attempts:
+        raise RuntimeError(f"generate: not even one prompt's {g.attempts} sequences of {length} positions fit "
+                           f"generate.memory_fraction={g.memory_fraction} of the free GPU memory; lower "
+                           f"generate.max_new_tokens or generate.attempts, or raise generate.memory_fraction")
+    # As few calls as fit, of equal size: a last, small call would pay a whole tail of decode steps.
+    calls = math.ceil(n_seq / cap)
+    rows = math.ceil(len(items) / calls) * g.attempts
+    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=g.cuda_graphs)
+    log.info("compact decoding: %d sequences in %d call(s) of up to %d rows x %d positions (KV buffer %.2f GiB)",
+             n_seq, calls, rows, length, decoder.cache.nbytes() / 2**30)
+    params = decoding.SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    generator = torch.Generator(device).manual_seed(call_seed())
+    completions = decoder.sample(prompt_ids, g.attempts, params, generator)
+    stats = dataclasses.asdict(decoder.stats)
+    stats.update(length=length, weight_bytes=decoder.weight_bytes, kv_bytes_per_position=decoder.kv_per_position)
+    del decoder
+    release_cached_memory()  # the buffer's memory goes to the log-prob pass
+    return completions, stats
+
+
 @torch.no_grad()
 def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -> list[dict]:
-    """Rows for `items` x g.attempts samples; `sampler` (a VllmSampler) samples in place of HF."""
+    """Rows for `items` x g.attempts samples in one generate call; `sampler` (a VllmSampler) samples
+    in place of HF."""
     if sampler is not None:
         prompt_ids = unpadded_prompt_ids(tokenizer, items)
         completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
+    elif g.cache == "compact":
+        prompt_ids = unpadded_prompt_ids(tokenizer, items)
+        completions, _ = sample_compact(model, tokenizer, items, g, device)
     else:
         sample = sample_paged if g.cache == "paged" else sample_generate
         prompt_ids, completions = sample(model, tokenizer, items, g, device)
+    rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
+    add_logprobs(model, rows, g, device)
+    return rows
+
+
+def completion_rows(tokenizer, items: list[dict], g, prompt_ids: list, completions: list) -> list[dict]:
+    """One row per sequence, cut after its first end-of-sequence token."""
     rows = []
     for j, ids in enumerate(completions):
         item = items[j // g.attempts]
@@ -115,9 +172,12 @@ def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -
             "completion": tokenizer.decode(ids[:n], skip_special_tokens=True),
             "truncated": tokenizer.eos_token_id not in ids[:n],
         })
+    return rows
+
+
+def add_logprobs(model, rows: list[dict], g, device) -> None:
     for r, logprobs in zip(rows, completion_logprobs(model, rows, g.temperature, device)):
         r["logprobs"] = [round(x, 6) for x in logprobs]
-    return rows
 
 
 def unpadded_prompt_ids(tokenizer, items: list[dict]) -> list[list[int]]:

@@ -58,23 +58,28 @@ def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
 
 @torch.no_grad()
 def completion_logprobs(model, rows: list[dict], temperature: float, device) -> list[list[float]]:
-    """log p(completion token) under `model` for each row, a few rows per forward pass."""
-    out = []
+    """log p(completion token) under `model` for each row, a few rows per forward pass.
+
+    Rows go through in order of length, so that each pass pads its rows to a similar width; the
+    results come back in the rows' order.
+    """
+    lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
+    order = sorted(range(len(rows)), key=lengths.__getitem__)
+    out: list = [None] * len(rows)
     vocab = model.config.vocab_size
     i = 0
-    while i < len(rows):
-        width = len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"])
-        take = 1
-        while i + take < len(rows):
-            w = max(width, len(rows[i + take]["prompt_ids"]) + len(rows[i + take]["completion_ids"]))
+    while i < len(order):
+        width, take = lengths[order[i]], 1
+        while i + take < len(order):
+            w = max(width, lengths[order[i + take]])
             if (take + 1) * w * vocab > LOGIT_BUDGET:
                 break
             width, take = w, take + 1
-        chunk = rows[i:i + take]
+        chunk = [rows[k] for k in order[i:i + take]]
         batch = collate(chunk, device)
         logp = sequence_logprobs(model, batch, temperature).cpu()
-        for j, r in enumerate(chunk):
+        for j, (k, r) in enumerate(zip(order[i:i + take], chunk)):
             p, c = len(r["prompt_ids"]), len(r["completion_ids"])
-            out.append(logp[j, p - 1:p - 1 + c].tolist())
+            out[k] = logp[j, p - 1:p - 1 + c].tolist()
         i += take
     return out

@@ -63,16 +63,23 @@ class GenerateConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    batch_size: int = 64  # prompts x attempts sequences per generate call
+    # Most sequences (prompts x attempts) decoded at once. 0: as many as fit generate.memory_fraction
+    # of the GPU memory free after the model is loaded (the compact cache; on CPU, all of a rank's).
+    batch_size: int = 0
     backend: str = "hf"
-    # KV cache of HF generate: "static" preallocates it at full length, so every decode step has the
-    # same shapes (no per-step allocation); "dynamic" grows it step by step; "compiled" is the static
-    # cache plus HF's torch.compile of the decode step on GPU (CUDA graphs; compiling costs time on a
-    # process's first call; on CPU it is the static cache alone). "paged" leaves generate() for
-    # transformers' continuous batching (generate_batch): a paged cache that holds only the tokens
-    # each sequence has, a finished sequence's slot goes to a waiting one, and decoding runs on CUDA
-    # graphs; it needs transformers >= 5.24.
-    cache: str = "dynamic"
+    # How the HF backend decodes. "compact" (stages/common/decoding.py): syncrl's own loop over the
+    # model's forward; one preallocated KV buffer, finished sequences leave the batch, attention reads
+    # only the written prefix, and on GPU each decode step is a replayed CUDA graph. "static" is HF
+    # generate() with a preallocated cache (every sequence of a call runs until the longest stops,
+    # attending over the whole preallocated length): for architectures compact refuses (sliding-window
+    # or hybrid layers). "dynamic" is generate() with a growing cache.
+    cache: str = "compact"
+    # compact: the share of the GPU memory free after the model is loaded that the KV buffer (sized
+    # for every sequence reaching max_new_tokens) may take; the rest is left for activations and the
+    # old-log-prob pass.
+    memory_fraction: float = 0.8
+    # compact: capture decode steps as CUDA graphs (on GPU). Off: every step launches its kernels.
+    cuda_graphs: bool = True
     # GPUs one generate process spreads the model over (transformers' device_map: its layers split
     # across them, run in turn), for models too large for one GPU. 1: one process per GPU, each with
     # the whole model. Generate and score then run tasks_per_node / gpus_per_process tasks per node.
@@ -88,13 +95,16 @@ class GenerateConfig:
             raise ConfigError(f"generate.vllm_memory_fraction must be in (0, 1) (got {self.vllm_memory_fraction})")
         _positive("generate.gpus_per_process", self.gpus_per_process)
         _positive("generate.max_new_tokens", self.max_new_tokens)
-        _positive("generate.batch_size", self.batch_size)
+        if self.batch_size < 0:
+            raise ConfigError(f"generate.batch_size must be >= 0 (got {self.batch_size}; 0 sizes it from GPU memory)")
+        if not 0 < self.memory_fraction < 1:
+            raise ConfigError(f"generate.memory_fraction must be in (0, 1) (got {self.memory_fraction})")
         if not self.temperature > 0:
             raise ConfigError(f"generate.temperature must be > 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
         _choice("generate.backend", self.backend, ("hf", "vllm"))
-        _choice("generate.cache", self.cache, ("dynamic", "static", "compiled", "paged"))
+        _choice("generate.cache", self.cache, ("compact", "static", "dynamic", "compiled", "paged"))
 
 
 @dataclass

@@ -1,0 +1,391 @@
+"""generate.cache: compact: syncrl's own batched sampling loop over an HF causal LM.
+
+HF `generate` keeps every sequence of a call in the batch until the longest one stops, and with a
+static cache it attends over the whole preallocated length at every step. On RL rollouts (mean
+completion far below the cap) that spends most decode steps on finished sequences and unwritten
+cache. This loop runs the same model forward, with three differences:
+
+- finished sequences leave the batch: the live rows are compacted to the front of one preallocated
+  KV buffer whenever their count falls to the next smaller batch size of a fixed ladder;
+- attention reads only the written prefix of the buffer, rounded up to a multiple of LENGTH_STEP
+  positions: every row of a call shares its positions (prompts are left-padded to one width), so the
+  prefix is the same for all of them;
+- on GPU, each (batch size, prefix length) decode step is captured once as a CUDA graph and
+  replayed, so a step costs one launch instead of a few hundred.
+
+The buffer holds as many rows as fit the free GPU memory (generate.memory_fraction), sized for every
+row reaching max_new_tokens; more sequences than that go in several calls. Prompts are prefilled
+once and their cache copied to each attempt. Sampling is HF's: temperature, then top-p, then a draw
+from the softmax, each sequence keeping its end-of-sequence token and stopping there or at
+max_new_tokens. The model is used only through its forward (input ids, position ids, a 4-D additive
+mask, a cache object with `update`), so any HF decoder whose layers all use full attention works;
+others are refused with the setting to use instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("syncrl.generate")
+
+# The attended prefix grows in steps of this many positions: each step is one more CUDA graph per
+# batch size, and a row reads at most this many unwritten positions.
+LENGTH_STEP = 64
+# Batch sizes the live rows are compacted to: a geometric ladder (ratio ~1.33), multiples of 8.
+# A finished row is carried until the count reaches the next rung, so a rung is at most a third
+# larger than the rows it holds; each rung is one compaction and one graph per prefix length.
+LADDER_RATIO = 4 / 3
+# Prompt tokens per prefill forward pass: bounds the activations of a long-prompt batch.
+PREFILL_TOKENS = 1 << 16
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_token_id: int = 0
+    pad_token_id: int = 0
+
+
+@dataclass
+class DecodeStats:
+    """What a sampling run did, for the stage's marker and the benchmarks."""
+    calls: int = 0
+    rows: int = 0  # the buffer's rows: the most sequences decoded at once
+    new_tokens: int = 0  # up to and including end-of-sequence
+    decoded_positions: int = 0  # rows the decode steps ran, finished and padding rows included
+    steps: int = 0
+    compactions: int = 0
+    graphs: int = 0
+    graph_capture_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_bytes_read: int = 0  # K and V bytes the decode steps' attention read
+    weight_bytes_read: int = 0  # parameter bytes the decode steps read (once per step)
+    extra: dict = field(default_factory=dict)
+
+
+def check_supported(config) -> None:
+    """Refuse models whose layers do not all attend over the whole past (sliding windows, linear or
+    hybrid layers): this loop keeps one full-length cache per layer."""
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if types != {"full_attention"} or window:
+        raise ValueError(f"generate.cache=compact supports decoders with full attention in every layer; "
+                         f"{config.model_type} has layer types {sorted(types)}"
+                         f"{f' and a sliding window of {window}' if window else ''}: set generate.cache=static")
+
+
+def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
+    heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def buffer_length(prompt_width: int, max_new_tokens: int) -> int:
+    """Positions a row may need: the prompt plus every new token but the last (which is sampled, never
+    fed back), rounded up to the prefix step."""
+    return LENGTH_STEP * math.ceil((prompt_width + max_new_tokens - 1) / LENGTH_STEP)
+
+
+def rows_that_fit(model, length: int, memory_fraction: float) -> int:
+    """How many rows of `length` positions fit in `memory_fraction` of the memory free now on each GPU
+    that holds layers (their caches; the float32 logits rows on the first). On CPU: no limit."""
+    first = next(model.parameters()).device
+    if first.type != "cuda":
+        return 1 << 30
+    config, dtype = model.config, next(model.parameters()).dtype
+    per_layer = kv_bytes_per_position(config, dtype) // config.num_hidden_layers * length
+    devices = layer_devices(model, first)
+    fit = []
+    for d in sorted(set(devices), key=str):
+        free, _ = torch.cuda.mem_get_info(d)
+        per_row = per_layer * devices.count(d) + (4 * 3 * config.vocab_size if d == first else 0)
+        fit.append(int(free * memory_fraction // per_row))
+    return min(fit)
+
+
+def layer_devices(model, default: torch.device) -> list:
+    """The device of each decoder layer (they differ when the model is spread over GPUs)."""
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None or len(layers) != model.config.num_hidden_layers:
+        return [default] * model.config.num_hidden_layers
+    return [next(layer.parameters()).device for layer in layers]
+
+
+def ladder(top: int) -> list[int]:
+    """Batch sizes from `top` down to 1: multiples of 8 in ratio ~LADDER_RATIO, then 4, 2, 1."""
+    sizes, b = [top], top
+    while b > 8:
+        b = max(8, int(b / LADDER_RATIO) // 8 * 8)
+        if b < sizes[-1]:
+            sizes.append(b)
+    sizes += [s for s in (4, 2, 1) if s < sizes[-1]]
+    return sizes
+
+
+class RowCache:
+    """K/V of every layer in one preallocated buffer [rows, kv_heads, length, head_dim], in the cache
+    protocol the HF attention layers call (`update`). Before each forward the loop sets how many rows
+    run, where the new positions are written and how much of the prefix attention reads; the layers
+    get views of the buffer, which a CUDA graph can replay because their addresses never change."""
+
+    is_compileable = False
+
+    def __init__(self, config, rows: int, length: int, dtype, layer_devices: list):
+        heads = config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Zeros, not empty: masked positions still enter the attention product, and stale memory could
+        # hold NaN or inf, which a zero weight does not cancel. Each layer's buffer lives where the
+        # layer does (a model spread over GPUs).
+        self.keys = [torch.zeros(rows, heads, length, head_dim, dtype=dtype, device=d) for d in layer_devices]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.rows, self.length = rows, length
+        devices = sorted(set(layer_devices), key=str)
+        # Decode: the position written, on every device that holds layers.
+        self._write_at = {d: torch.zeros(1, dtype=torch.long, device=d) for d in devices}
+        self.write_at = self._write_at[layer_devices[0]]
+        self._layer_devices = layer_devices
+        self._prefill_rows: dict = {}
+        self.prefill_rows: torch.Tensor | None = None  # prefill: buffer rows of the prompts
+        self.active, self.attend = rows, length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        device = self._layer_devices[layer_idx]
+        if self.prefill_rows is not None:
+            width = key_states.shape[2]
+            rows = self._prefill_rows.setdefault(device, self.prefill_rows.to(device))
+            k[:, :, :width].index_copy_(0, rows, key_states)
+            v[:, :, :width].index_copy_(0, rows, value_states)
+            return key_states, value_states
+        k, v = k[:self.active], v[:self.active]
+        k.index_copy_(2, self._write_at[device], key_states)
+        v.index_copy_(2, self._write_at[device], value_states)
+        return k[:, :, :self.attend], v[:, :, :self.attend]
+
+    def set_prefill_rows(self, rows: torch.Tensor | None) -> None:
+        self.prefill_rows, self._prefill_rows = rows, {}
+
+    def set_write_position(self, pos: int) -> None:
+        for t in self._write_at.values():
+            t.fill_(pos)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.write_at.item())
+
+    def nbytes(self) -> int:
+        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+
+
+class CompactDecoder:
+    """Samples completions for batches of prompts; reuse one for every call of a stage, so that the
+    buffer and the captured graphs are made once."""
+
+    def __init__(self, model, rows: int, length: int, cuda_graphs: bool = True):
+        check_supported(model.config)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.rows, self.length = rows, length
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        devices = layer_devices(model, self.device)
+        self.cache = RowCache(model.config, rows, length, self.dtype, devices)
+        # A model spread over GPUs runs its layers in turn on each: no one graph captures that.
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and len(set(devices)) == 1
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.mask = torch.zeros(rows, 1, 1, length, dtype=self.dtype, device=self.device)
+        self.logits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.kv_per_position = kv_bytes_per_position(model.config, self.dtype)
+        self.stats = DecodeStats(rows=rows)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], attempts: int, params: SamplingParams,
+               generator: torch.Generator | None, record_logprobs: bool = False):
+        """Completion ids per sequence, in prompt order, `attempts` consecutive sequences per prompt;
+        with record_logprobs also each sampled token's log-prob under softmax(logits / T) at the
+        decode step that drew it (tests compare them with a teacher-forced pass)."""
+        per_call = max(1, self.rows // attempts)
+        out_ids, out_lp = [], []
+        for start in range(0, len(prompts), per_call):
+            ids, lp = self._call(prompts[start:start + per_call], attempts, params, generator, record_logprobs)
+            out_ids += ids
+            out_lp += lp
+        return (out_ids, out_lp) if record_logprobs else out_ids
+
+    def _call(self, prompts, attempts, params: SamplingParams, generator, record_logprobs):
+        n_seq = len(prompts) * attempts
+        width = max(len(p) for p in prompts)
+        if buffer_length(width, params.max_new_tokens) > self.length or n_seq > self.rows:
+            raise ValueError(f"{n_seq} sequences of prompt width {width} + {params.max_new_tokens} new tokens "
+                             f"do not fit the decoder's buffer ({self.rows} rows x {self.length} positions)")
+        st = self.stats
+        st.calls += 1
+        dev, n_new = self.device, params.max_new_tokens
+        tokens = torch.full((n_seq, n_new), params.pad_token_id, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(n_seq, n_new, dtype=torch.float32, device=dev) if record_logprobs else None
+        seq_of_row = torch.arange(n_seq, device=dev)  # which sequence each buffer row decodes; -1: none
+        done = torch.zeros(n_seq, dtype=torch.bool, device=dev)
+        results = torch.full((n_seq, n_new), params.pad_token_id, dtype=torch.long, device=dev)
+        results_lp = torch.zeros_like(logprobs) if record_logprobs else None
+
+        t0 = time.perf_counter()
+        self._prefill(prompts, attempts, width)
+        st.prefill_s += time.perf_counter() - t0
+        b = n_seq
+        sizes = [s for s in ladder(self.rows) if s >= 1]
+        for step in range(n_new):
+            tok = self._draw(b, params, generator)
+            tok = torch.where(done[:b], params.pad_token_id, tok)
+            tokens[:b, step] = tok
+            if record_logprobs:
+                logprobs[:b, step] = torch.log_softmax(self.logits[:b] / params.temperature, -1) \
+                    .gather(1, tok.unsqueeze(1)).squeeze(1)
+            done[:b] |= tok == params.eos_token_id
+            live = int((~done[:b]).sum())  # the loop's one host sync per step
+            if live == 0 or step == n_new - 1:
+                break
+            smaller = [s for s in sizes if s >= live]
+            if smaller[-1] < b:
+                b = self._compact(b, smaller[-1], live, width + step, done, seq_of_row, tokens, logprobs,
+                                  results, results_lp)
+            # Feed the drawn tokens back: written at position width + step, attending to all before it.
+            pos = width + step
+            self.ids[:b, 0] = tokens[:b, step]
+            self.mask[:b, 0, 0, pos] = 0
+            self.cache.set_write_position(pos)
+            attend = min(self.length, LENGTH_STEP * math.ceil((pos + 1) / LENGTH_STEP))
+            self._forward(b, attend)
+            self.positions[:b] += 1
+            st.steps += 1
+            st.decoded_positions += b
+            st.kv_bytes_read += b * attend * self.kv_per_position
+            st.weight_bytes_read += self.weight_bytes
+        self._collect(slice(0, b), seq_of_row, tokens, logprobs, results, results_lp)
+        ids_out, lp_out = [], []
+        for row, row_lp in zip(results.tolist(), results_lp.tolist() if record_logprobs else [None] * n_seq):
+            n = row.index(params.eos_token_id) + 1 if params.eos_token_id in row else n_new
+            ids_out.append(row[:n])
+            lp_out.append(row_lp[:n] if row_lp is not None else None)
+        st.new_tokens += sum(len(x) for x in ids_out)
+        return ids_out, lp_out
+
+    def _prefill(self, prompts, attempts, width):
+        """Every prompt's cache, left-padded to `width`, into its attempts' rows; the last position's
+        logits into each row's logits."""
+        n_prompt = len(prompts)
+        pads = torch.tensor([width - len(p) for p in prompts], device=self.device)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+        cols = torch.arange(width, device=self.device)
+        real = cols.unsqueeze(0) >= pads.unsqueeze(1)  # [n, width]: not padding
+        positions = (cols.unsqueeze(0) - pads.unsqueeze(1)).clamp(min=0)
+        first_rows = torch.arange(n_prompt, device=self.device) * attempts
+        per_pass = max(1, PREFILL_TOKENS // width)
+        neg = torch.finfo(self.dtype).min
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        for i in range(0, n_prompt, per_pass):
+            j = min(n_prompt, i + per_pass)
+            allowed = causal.unsqueeze(0) & real[i:j].unsqueeze(1)  # [n, q, k]
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, neg)
+            self.cache.set_prefill_rows(first_rows[i:j])
+            out = self.model(input_ids=ids[i:j], position_ids=positions[i:j], attention_mask=mask.unsqueeze(1),
+                             use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
+            self.logits[first_rows[i:j]] = out.logits[:, -1].float()
+        self.cache.set_prefill_rows(None)
+        n_seq = n_prompt * attempts
+        # Copy each prompt's cache and logits to its other attempts.
+        for k in self.cache.keys + self.cache.values:
+            grouped = k[:n_seq].view(n_prompt, attempts, *k.shape[1:])
+            grouped[:, 1:, :, :width] = grouped[:, :1, :, :width]
+        grouped = self.logits[:n_seq].view(n_prompt, attempts, -1)
+        grouped[:, 1:] = grouped[:, :1]
+        rows_real = real.repeat_interleave(attempts, 0)
+        self.mask[:n_seq].fill_(neg)
+        self.mask[:n_seq, 0, 0, :width].masked_fill_(rows_real, 0)
+        self.positions[:n_seq, 0] = (width - pads).repeat_interleave(attempts)
+
+    def _draw(self, b: int, params: SamplingParams, generator) -> torch.Tensor:
+        """One token per row from softmax(logits / T), restricted to the top-p nucleus (HF's order:
+        temperature, then top-p, which keeps at least the most likely token)."""
+        x = self.logits[:b]
+        if params.temperature != 1.0:
+            x = x / params.temperature
+        if params.top_p < 1.0:
+            sorted_x, order = torch.sort(x, dim=-1, descending=False)
+            cum = sorted_x.softmax(-1).cumsum(-1)
+            drop_sorted = cum <= 1 - params.top_p
+            drop_sorted[:, -1] = False
+            x = x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+        return torch.multinomial(x.softmax(-1), 1, generator=generator).squeeze(1)
+
+    def _forward(self, b: int, attend: int) -> None:
+        if not self.cuda_graphs:
+            self._step(b, attend)
+            return
+        graph = self.graphs.get((b, attend))
+        if graph is None:
+            graph = self._capture(b, attend)
+        graph.replay()
+
+    def _step(self, b: int, attend: int) -> None:
+        self.cache.active, self.cache.attend = b, attend
+        out = self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
+                         attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: self.cache})
+        self.logits[:b].copy_(out.logits[:, -1])
+
+    def _capture(self, b: int, attend: int):
+        t0 = time.perf_counter()
+        if not self.graphs:
+            # Kernels and library handles initialise on their first use, which a capture must not see.
+            # The warm-up step writes at the current position, which the replay writes again.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(b, attend)
+            torch.cuda.current_stream().wait_stream(stream)
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # One memory pool for all graphs: they never run at once, and each keeps nothing past its
+        # replay (the logits go to the decoder's own buffer).
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(b, attend)
+        self.graphs[(b, attend)] = graph
+        self.stats.graphs += 1
+        self.stats.graph_capture_s += time.perf_counter() - t0
+        return graph
+
+    def _compact(self, b, new_b, live, written, done, seq_of_row, tokens, logprobs, results, results_lp) -> int:
+        """Move the live rows to the front of every buffer and decode `new_b` rows from now on."""
+        keep = torch.nonzero(~done[:b]).squeeze(1)
+        finished = torch.nonzero(done[:b]).squeeze(1)
+        self._collect(finished, seq_of_row, tokens, logprobs, results, results_lp)
+        for k in self.cache.keys + self.cache.values:
+            k[:live, :, :written] = k[keep, :, :written]
+        for buf in (self.positions, self.mask, self.logits, tokens, seq_of_row, done) + \
+                ((logprobs,) if logprobs is not None else ()):
+            buf[:live] = buf[keep]
+        # Rows past the live ones are padding: decoded, never collected.
+        seq_of_row[live:new_b] = -1
+        done[live:new_b] = True
+        self.stats.compactions += 1
+        return new_b
+
+    @staticmethod
+    def _collect(rows, seq_of_row, tokens, logprobs, results, results_lp) -> None:
+        seqs = seq_of_row[rows]
+        valid = seqs >= 0
+        results[seqs[valid]] = tokens[rows][valid]
+        if logprobs is not None:
+            results_lp[seqs[valid]] = logprobs[rows][valid]
