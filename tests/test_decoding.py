@@ -96,7 +96,7 @@ def test_token_frequencies_follow_the_policy(models, device, temperature, top_p)
     n = 20000
     params = SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id)
-    ids, _ = decode(model, prompt, n, params, seed=3)
+    ids, _ = decode(model, prompt, n, params, seed=3, rows=4000)  # on GPU: 5 calls
     counts = Counter(c[0] for c in ids)
 
     def p_value(temp):

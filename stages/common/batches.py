@@ -11,8 +11,11 @@ import torch
 
 from stages.common.modeling import token_logprobs
 
-# Logit elements per forward pass when generate scores its completions (2^30: 2 GB of bf16 logits).
+# Per forward pass when generate scores its completions: logit elements (2^30: 2 GB of bf16 logits)
+# and positions (2^17: the MLP activations of a 0.5B model stay near 1 GB; with a small vocabulary
+# the logits alone would let a pass grow to millions of positions).
 LOGIT_BUDGET = 1 << 30
+TOKEN_BUDGET = 1 << 17
 
 
 def collate(micro: list[dict | None], device) -> dict:
@@ -72,7 +75,7 @@ def completion_logprobs(model, rows: list[dict], temperature: float, device) -> 
         width, take = lengths[order[i]], 1
         while i + take < len(order):
             w = max(width, lengths[order[i + take]])
-            if (take + 1) * w * vocab > LOGIT_BUDGET:
+            if (take + 1) * w * vocab > LOGIT_BUDGET or (take + 1) * w > TOKEN_BUDGET:
                 break
             width, take = w, take + 1
         chunk = [rows[k] for k in order[i:i + take]]

@@ -216,10 +216,14 @@ class CompactDecoder:
         """Completion ids per sequence, in prompt order, `attempts` consecutive sequences per prompt;
         with record_logprobs also each sampled token's log-prob under softmax(logits / T) at the
         decode step that drew it (tests compare them with a teacher-forced pass)."""
-        per_call = max(1, self.rows // attempts)
         out_ids, out_lp = [], []
-        for start in range(0, len(prompts), per_call):
-            ids, lp = self._call(prompts[start:start + per_call], attempts, params, generator, record_logprobs)
+        if attempts > self.rows:  # one prompt's attempts over several calls
+            calls = [([p], min(self.rows, attempts - a)) for p in prompts for a in range(0, attempts, self.rows)]
+        else:
+            per_call = self.rows // attempts
+            calls = [(prompts[i:i + per_call], attempts) for i in range(0, len(prompts), per_call)]
+        for call_prompts, call_attempts in calls:
+            ids, lp = self._call(call_prompts, call_attempts, params, generator, record_logprobs)
             out_ids += ids
             out_lp += lp
         return (out_ids, out_lp) if record_logprobs else out_ids
@@ -279,6 +283,9 @@ class CompactDecoder:
             ids_out.append(row[:n])
             lp_out.append(row_lp[:n] if row_lp is not None else None)
         st.new_tokens += sum(len(x) for x in ids_out)
+        log.info("decoding call %d: %d sequences, %d steps, %d new tokens in %.1fs (%d compactions, %d graphs so far)",
+                 st.calls, n_seq, step + 1, sum(len(x) for x in ids_out), time.perf_counter() - t0,
+                 st.compactions, st.graphs)
         return ids_out, lp_out
 
     def _prefill(self, prompts, attempts, width):
