@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from stages.common.paths import STAGES  # noqa: E402 (needs ROOT on the path)
+from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, bound, model_bytes  # noqa: E402
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
 
 
@@ -113,17 +114,24 @@ def non_embedding_params(model_dir: Path) -> tuple[int, int]:
     return total - embed, total
 
 
-def generate_positions(run_dir: Path, it: int, cfg: dict) -> int:
-    """Positions the decoder ran: per generate call, its sequences x its longest completion."""
+def generate_positions(run_dir: Path, it: int, cfg: dict, markers: list[dict]) -> tuple[int, list]:
+    """Positions the decoder ran (the compact sampler counts its own; HF generate runs each call's
+    sequences until its longest stops), and each rank's (prompt, completion) lengths."""
     g = cfg["generate"]
-    per_call_rows = max(1, g["batch_size"] // g["attempts"]) * g["attempts"]
-    total = 0
-    for shard in sorted((run_dir / f"iter_{it:05d}" / "generate").glob("rank_*.jsonl")):
-        lengths = [len(json.loads(line)["completion_ids"]) for line in shard.open()]
+    per_call_rows = max(1, (g["batch_size"] or 64) // g["attempts"]) * g["attempts"]
+    total, pairs = 0, []
+    for marker, shard in zip(markers, sorted((run_dir / f"iter_{it:05d}" / "generate").glob("rank_*.jsonl"))):
+        rows = [json.loads(line) for line in shard.open()]
+        pairs.append([(len(r["prompt_ids"]), len(r["completion_ids"])) for r in rows])
+        counted = marker.get("sampling", {}).get("decoded_positions")
+        if counted is not None:
+            total += counted
+            continue
+        lengths = [c for _, c in pairs[-1]]
         for i in range(0, len(lengths), per_call_rows):
             call = lengths[i:i + per_call_rows]
             total += len(call) * max(call)
-    return total
+    return total, pairs
 
 
 def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None:
@@ -158,6 +166,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     n_params, n_total = non_embedding_params(run_dir / "models" / "base")
+    weight_bytes, kv_per_position = model_bytes(run_dir / "models" / "base")
     per_it = []
     for it in range(iterations):
         m = {s: read_json(run_dir / f"iter_{it:05d}" / "markers" / f"{s}.done") for s in STAGES}
@@ -166,7 +175,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         world = len(train)
         gen_tokens = sum(r["new_tokens"] for r in gen)
         gen_s = max(r["generate_s"] for r in gen)
-        gen_pos = generate_positions(run_dir, it, cfg)
+        gen_pos, pairs = generate_positions(run_dir, it, cfg, gen)
+        bounds = [bound(p, weight_bytes, kv_per_position) for p in pairs]
         tr = train[0]
         train_s = max(r["train_s"] for r in train)
         tokens = tr["tokens"]  # all ranks (all-reduced)
@@ -188,6 +198,11 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "tokens_per_s": gen_tokens / gen_s, "tokens_per_s_per_gpu": fmean(r["tokens_per_s"] for r in gen),
                 "import_s": max(r.get("import_s", 0.0) for r in gen),
                 "positions": gen_pos, "positions_per_s_per_gpu": gen_pos / gen_s / len(gen),
+                # The memory-bandwidth bound of decoding the same completions (decode_bound.py), per GPU.
+                "bound_tokens_per_s_per_gpu": fmean(b["new_tokens_per_s"] for b in bounds),
+                "sample_s": max(r.get("sampling", {}).get("sample_s", r["generate_s"]) for r in gen),
+                "logprob_pass_s": max(r.get("sampling", {}).get("logprob_pass_s", 0.0) for r in gen),
+                "graph_capture_s": max(r.get("sampling", {}).get("graph_capture_s", 0.0) for r in gen),
             },
             "train": {
                 "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
@@ -239,6 +254,12 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  new tok/s, total     ", col("generate", "tokens_per_s", "{:>9.0f}"))
     print("  new tok/s, per GPU   ", col("generate", "tokens_per_s_per_gpu", "{:>9.0f}"))
     print("  decoded pos/s per GPU", col("generate", "positions_per_s_per_gpu", "{:>9.0f}"))
+    print("  bound new tok/s, GPU ", col("generate", "bound_tokens_per_s_per_gpu", "{:>9.0f}"))
+    print("  of which decoding s  ", col("generate", "sample_s", "{:>9.1f}"))
+    print("    graph capture s    ", col("generate", "graph_capture_s", "{:>9.1f}"))
+    print("  log-prob pass s      ", col("generate", "logprob_pass_s", "{:>9.1f}"))
+    print(f"  (bound: weights once per decode step + the K/V each new token attends to, at "
+          f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s; tests/benchmarks/decode_bound.py)")
     print("\ntrain")
     print("  optimizer steps      ", col("train", "steps", "{:>9d}"))
     print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))
