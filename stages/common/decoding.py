@@ -131,12 +131,11 @@ def ladder(top: int) -> list[int]:
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention of one new position per row over the attended prefix, as two batched matrix products.
+    """Attention of one new position per row over a short attended prefix, as two batched products.
 
-    SDPA with a mask runs cuDNN's (or the memory-efficient) prefill kernel here, which tiles the
-    single query up to a block of rows: on 1 H200 it took 0.26 ms per layer at 1024 rows x 64
-    positions, 1.3 TB/s. The products read K and V once each at full bandwidth. Query heads that
-    share a K/V head (grouped-query attention) go in one product, without repeating K/V.
+    SDPA with a mask runs cuDNN's prefill kernel here, which tiles the single query up to a block
+    of rows: on 1 H200 it took 0.26 ms per layer at 1024 rows x 64 positions (1.3 TB/s). Query heads
+    that share a K/V head (grouped-query attention) go in one product, without repeating K/V.
     """
     b, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -152,6 +151,10 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 DECODE_ATTENTION = "syncrl_decode"
+# Attended prefixes shorter than this go through decode_attention, longer ones through SDPA: on 1 H200
+# (1024 rows) the products took 8.9 ms per step against SDPA's 11.0 at 64 positions, the same at
+# 256, and 27.1 against 22.6 at 576 (tests/benchmarks/decode_step.py).
+MATMUL_ATTENTION_BELOW = 256
 
 
 class RowCache:
@@ -379,7 +382,7 @@ class CompactDecoder:
         self.cache.active, self.cache.attend = b, attend
         config = self.model.config
         before = config._attn_implementation
-        if self.decode_attention:
+        if self.decode_attention and attend < MATMUL_ATTENTION_BELOW:
             config._attn_implementation = DECODE_ATTENTION
         try:
             out = self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
