@@ -40,21 +40,11 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
 
 
 def _check_generate_engine(cfg: RunConfig) -> list[str]:
-    """The packages generate.backend and generate.cache need, looked up without importing them."""
-    import importlib.metadata
-
+    """The packages generate.backend needs, looked up without importing them."""
     g = cfg.generate
     if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return ["generate.backend is vllm, but vllm is not installed here: pip install vllm where generate "
                 "runs, or set generate.backend=hf"]
-    if g.backend == "hf" and g.cache == "paged":
-        try:
-            version = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            return []  # no version to compare: the stages themselves report a missing transformers
-        if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (5, 24):
-            return [f"generate.cache=paged needs transformers >= 5.24 (its continuous batching); this is "
-                    f"{version}: pip install 'transformers>=5.24', or set generate.cache=static"]
     return []
 
 

@@ -35,7 +35,6 @@ log = logging.getLogger("syncrl.generate")
 CACHE_ARGS = {
     "dynamic": {},
     "static": {"cache_implementation": "static", "disable_compile": True},
-    "compiled": {"cache_implementation": "static"},
 }
 
 
@@ -146,8 +145,7 @@ def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -
         prompt_ids = unpadded_prompt_ids(tokenizer, items)
         completions, _ = sample_compact(model, tokenizer, items, g, device)
     else:
-        sample = sample_paged if g.cache == "paged" else sample_generate
-        prompt_ids, completions = sample(model, tokenizer, items, g, device)
+        prompt_ids, completions = sample_generate(model, tokenizer, items, g, device)
     rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
     add_logprobs(model, rows, g, device)
     return rows
@@ -205,30 +203,6 @@ def sample_generate(model, tokenizer, items: list[dict], g, device) -> tuple[lis
     # The prompts without their left padding, once per prompt.
     prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     return prompt_ids, sequences[:, enc["input_ids"].shape[1]:].tolist()
-
-
-def sample_paged(model, tokenizer, items: list[dict], g, device) -> tuple[list, list]:
-    """The same through transformers' continuous batching: each sequence stops at its own end."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    prompt_ids = unpadded_prompt_ids(tokenizer, items)
-    gen = GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
-                           max_new_tokens=g.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id)
-    # One request per sequence. Results come back keyed by request id in finishing order; matching
-    # them to prompts by their prompt ids needs nothing of how transformers names requests.
-    out = model.generate_batch([ids for ids in prompt_ids for _ in range(g.attempts)], generation_config=gen,
-                               continuous_batching_config=ContinuousBatchingConfig(seed=call_seed()))
-    by_prompt: dict[tuple, list] = {}
-    for request_id in sorted(out):
-        result = out[request_id]
-        if result.error is not None:
-            raise RuntimeError(f"continuous-batching generation failed for request {request_id}: {result.error}")
-        by_prompt.setdefault(tuple(result.prompt_ids), []).append(list(result.generated_tokens))
-    if len(out) != len(prompt_ids) * g.attempts:
-        raise RuntimeError(f"continuous-batching generation returned {len(out)} of "
-                           f"{len(prompt_ids) * g.attempts} sequences")
-    return prompt_ids, [by_prompt[tuple(ids)].pop(0) for ids in prompt_ids for _ in range(g.attempts)]
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_shipped_local_tiny_config_loads():
     ("", ("train.lr=fast",), "'train.lr' must be a number"),
     ("", ("train.lr=.inf",), "finite number"),
     ("", ("train.compile=max",), "train.compile must be one of eager, inductor, aot_eager"),
-    ("", ("generate.cache=flash",), "generate.cache must be one of dynamic, static, compiled, paged"),
+    ("", ("generate.cache=flash",), "generate.cache must be one of compact, static, dynamic"),
     ("", ("save.export_dtype=fp8",), "save.export_dtype must be one of model, float32, bfloat16, float16"),
     ("", ("iterations.x=1",), "'iterations' must be an integer"),
     ("iterations: 2\n", ("iterations.x=1",), "'iterations' is a value"),

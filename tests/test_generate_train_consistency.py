@@ -29,7 +29,7 @@ def sample(policy, seed, g):
     return sample_batch(model, tok, ITEMS, g, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "paged"])
+@pytest.mark.parametrize("cache", ["dynamic", "compact"])
 def test_sampling_is_deterministic_per_seed(policy, cache):
     g = GenerateConfig(attempts=4, max_new_tokens=6, temperature=1.0, cache=cache)
     a = sample(policy, sample_seed(0, 3, 1), g)
@@ -42,7 +42,7 @@ def test_sampling_is_deterministic_per_seed(policy, cache):
 
 
 @pytest.mark.parametrize("temperature,cache", [(1.0, "dynamic"), (0.7, "dynamic"), (1.0, "static"),
-                                                       (0.7, "paged")])
+                                                       (0.7, "compact")])
 def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache):
     model, tok = policy
     g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache)
@@ -78,10 +78,10 @@ def test_completion_logprobs_do_not_depend_on_how_rows_are_batched(policy, monke
     assert [r["logprobs"] for r in rows] == [[round(x, 6) for x in a] for a in whole]
 
 
-def test_paged_sampling_follows_the_same_policy_and_temperature(policy):
-    """Near-greedy temperature: continuous batching must pick the same tokens as generate() does."""
+def test_compact_sampling_follows_the_same_policy_as_generate(policy):
+    """Near-greedy temperature: the compact loop must pick the tokens HF generate() picks."""
     g = dict(attempts=2, max_new_tokens=8, temperature=1e-4)
-    paged = sample(policy, 5, GenerateConfig(cache="paged", **g))
+    compact = sample(policy, 5, GenerateConfig(cache="compact", **g))
     plain = sample(policy, 5, GenerateConfig(cache="dynamic", **g))
-    assert [r["completion_ids"] for r in paged] == [r["completion_ids"] for r in plain]
-    assert [r["prompt_ids"] for r in paged] == [r["prompt_ids"] for r in plain]
+    assert [r["completion_ids"] for r in compact] == [r["completion_ids"] for r in plain]
+    assert [r["prompt_ids"] for r in compact] == [r["prompt_ids"] for r in plain]

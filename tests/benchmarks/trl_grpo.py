@@ -119,8 +119,8 @@ def run(cfg, args) -> dict | None:
         max_steps=iteration_steps * args.iterations,
         # syncrl's prompts come in its own per-iteration order (the dataset is built in that order).
         shuffle_dataset=False,
-        # Sampling as in stages/generate.py (top_k 0 = off). TRL always sets disable_compile, so
-        # syncrl's "compiled" cache can only be matched by its static cache without compile.
+        # Sampling as in stages/generate.py (top_k 0 = off); TRL's HF path with its static cache
+        # stands in for syncrl's compact one, which TRL does not have.
         max_completion_length=cfg.generate.max_new_tokens,
         temperature=cfg.generate.temperature,
         top_p=cfg.generate.top_p,
