@@ -12,7 +12,9 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -209,50 +211,114 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
 
 
 def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog) -> tuple[list[dict], dict]:
-    """All epochs of micro-batches; returns (per-optimizer-step history, this rank's totals).
+    """All epochs of optimizer steps; returns (per-optimizer-step history, this rank's totals).
 
     Totals: loss tokens, positions (real tokens of every sequence run) and model FLOPs (flops.py).
     """
     t = ctx.cfg.train
     temperature = ctx.cfg.generate.temperature
     shape = flops.model_shape(engine.module)
-    history, pending = [], []
+    history = []
     totals = {"tokens": 0, "positions": 0, "flops": 0.0}
-    step_tokens = 0
-    batches = rank_micro_batches(rows, ctx, t.micro_batch_size * t.gradient_accumulation_steps * ctx.world_size)
+    steps = optimizer_steps(rows, ctx)
     engine.train()
-    bar = Progress(len(batches), f"train iteration {ctx.iteration}: micro-batches", ctx.rank)
-    for micro in batches:
-        batch = collate(micro, device)
-        loss, metrics = micro_step(engine, ref, batch, t, temperature)
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
-        watchdog.beat()
-        passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
-        totals["flops"] += passes * sum(flops.forward_flops(shape, n) for n in batch["lengths"])
-        totals["positions"] += sum(batch["lengths"])
-        totals["tokens"] += batch["tokens"]
-        step_tokens += batch["tokens"]
-        pending.append({"loss": loss.detach(), **metrics})
-        if boundary:
-            history.append(_step_record(engine, pending, step_tokens))
-            pending, step_tokens = [], 0
-        bar.update(1)
+    bar = Progress(sum(len(s.micro_batches) for s in steps), f"train iteration {ctx.iteration}: micro-batches",
+                   ctx.rank)
+    passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
+    for step in steps:
+        pending, step_tokens = [], 0
+        for i, micro in enumerate(step.micro_batches):
+            batch = collate(micro, device)
+            if step.normalizer is not None:
+                # The boundary is the step's last micro-batch, however many the step has.
+                engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
+            loss, metrics = micro_step(engine, ref, batch, t, temperature, step.normalizer)
+            engine.step()
+            watchdog.beat()
+            totals["flops"] += passes * sum(flops.forward_flops(shape, n) for n in batch["lengths"])
+            totals["positions"] += sum(batch["lengths"])
+            totals["tokens"] += batch["tokens"]
+            step_tokens += batch["tokens"]
+            pending.append({"loss": loss.detach(), **metrics})
+            bar.update(1)
+        history.append(_step_record(engine, pending, step_tokens))
     bar.close()
     return history, totals
 
 
-def micro_step(engine, ref, batch: dict, t, temperature: float):
-    """Forward, loss and backward of one micro-batch; the optimizer step is the caller's."""
+def micro_step(engine, ref, batch: dict, t, temperature: float, normalizer: float | None = None):
+    """Forward, loss and backward of one micro-batch; the optimizer step is the caller's.
+
+    With a normalizer (the optimizer step's loss tokens on all ranks), the loss is this batch's
+    share of the step's token mean, scaled back up by what DeepSpeed divides gradients by: the
+    ranks (it averages their gradients) and its gradient-accumulation steps (it scales each loss).
+    """
     logp = sequence_logprobs(engine, batch, temperature)
     ref_logp = None
     if ref is not None:
         with torch.no_grad():
             ref_logp = sequence_logprobs(ref, batch, temperature)
+    scale = None
+    if normalizer is not None:
+        scale = normalizer / (engine.dp_world_size * engine.gradient_accumulation_steps())
     loss, metrics = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"],
-                                  t.clip_eps, ref_logp, t.kl_coef)
+                                  t.clip_eps, ref_logp, t.kl_coef, normalizer=scale)
     engine.backward(loss)
     return loss, metrics
+
+
+@dataclass
+class OptimizerStep:
+    micro_batches: list  # this rank's, each a list of rows (None: a padding row)
+    normalizer: float | None = None  # loss tokens of the step on all ranks (token-budget batching)
+
+
+def optimizer_steps(rows: list[dict], ctx: StageContext) -> list[OptimizerStep]:
+    """This rank's optimizer steps, the same count (and micro-batch count) on every rank.
+
+    Each step takes the rows today's fixed micro-batches would (rank_micro_batches); with
+    train.max_tokens_per_micro_batch they are regrouped by length instead (token_budget_groups).
+    Every rank holds the whole train set, so each computes every rank's grouping, and pads its own
+    with empty micro-batches to the busiest rank's count, without communicating.
+    """
+    t = ctx.cfg.train
+    per_step = t.micro_batch_size * t.gradient_accumulation_steps
+    fixed = [rank_micro_batches(rows, _rank_view(ctx, r), per_step * ctx.world_size) for r in range(ctx.world_size)]
+    n_steps = len(fixed[ctx.rank]) // t.gradient_accumulation_steps
+    steps = []
+    for k in range(n_steps):
+        window = slice(k * t.gradient_accumulation_steps, (k + 1) * t.gradient_accumulation_steps)
+        if not t.max_tokens_per_micro_batch:
+            steps.append(OptimizerStep(fixed[ctx.rank][window]))
+            continue
+        step_rows = [[r for micro in fixed[rank][window] for r in micro if r is not None]
+                     for rank in range(ctx.world_size)]
+        groups = [token_budget_groups(rs, t.max_tokens_per_micro_batch) for rs in step_rows]
+        count = max(1, max(len(g) for g in groups))
+        mine = groups[ctx.rank] + [[None]] * (count - len(groups[ctx.rank]))
+        tokens = sum(len(r["completion_ids"]) for rs in step_rows for r in rs)
+        steps.append(OptimizerStep(mine, float(max(tokens, 1))))
+    return steps
+
+
+def token_budget_groups(rows: list[dict], budget: int) -> list[list[dict]]:
+    """Rows grouped longest first into micro-batches of at most `budget` padded positions each."""
+    order = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]), reverse=True)
+    groups: list[list[dict]] = []
+    width = 0
+    for r in order:
+        n = len(r["prompt_ids"]) + len(r["completion_ids"])
+        if groups and (len(groups[-1]) + 1) * width <= budget:
+            groups[-1].append(r)  # sorted longest first: the group's width stays its first row's
+        else:
+            groups.append([r])
+            width = n
+    return groups
+
+
+def _rank_view(ctx: StageContext, rank: int):
+    """ctx as rank `rank` sees it, for computing another rank's share."""
+    return SimpleNamespace(cfg=ctx.cfg, iteration=ctx.iteration, rank=rank, world_size=ctx.world_size)
 
 
 def rank_micro_batches(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[dict | None]]:

@@ -140,6 +140,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     micro_batch_size: int = 16
     gradient_accumulation_steps: int = 1
+    # 0: each rank's rows of an optimizer step (micro_batch_size x gradient_accumulation_steps) run
+    # as gradient_accumulation_steps micro-batches of micro_batch_size rows, and the loss is the mean
+    # of each micro-batch's token mean. > 0: the same rows are grouped by length into micro-batches
+    # whose padded size (rows x longest row) stays within this many positions (a longer row runs
+    # alone), every rank running as many as the busiest, and the loss is the token mean over the
+    # whole optimizer step on all ranks, whatever the grouping.
+    max_tokens_per_micro_batch: int = 0
     epochs: int = 1
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # off by default, as in the original 70B runs
@@ -159,6 +166,9 @@ class TrainConfig:
         _positive("train.micro_batch_size", self.micro_batch_size)
         _choice("train.compile", self.compile, ("eager", "inductor", "aot_eager"))
         _positive("train.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
+                              "0 keeps fixed micro-batches of train.micro_batch_size rows)")
         _positive("train.epochs", self.epochs)
         _positive("train.timeout_s", self.timeout_s)
         _choice("train.backend", self.backend, ("auto", "nccl", "gloo"))

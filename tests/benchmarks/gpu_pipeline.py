@@ -137,19 +137,21 @@ def generate_positions(run_dir: Path, it: int, cfg: dict, markers: list[dict]) -
 def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None:
     """Positions the training forward/backward ran, right padding included (train's own batching)."""
     try:
-        from stages.train import rank_micro_batches
+        from stages.train import optimizer_steps
     except ImportError:
         return None
     rows = [json.loads(line) for line in (run_dir / f"iter_{it:05d}" / "gather" / "train.jsonl").open()]
     t = SimpleNamespace(**cfg["train"])
+    t.max_tokens_per_micro_batch = getattr(t, "max_tokens_per_micro_batch", 0)
     total = 0
     for rank in range(world):
         ctx = SimpleNamespace(cfg=SimpleNamespace(train=t, seed=cfg["seed"]), iteration=it, rank=rank,
                               world_size=world)
-        for micro in rank_micro_batches(rows, ctx, t.micro_batch_size * t.gradient_accumulation_steps * world):
-            real = [r for r in micro if r is not None]
-            if real:
-                total += len(real) * max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real)
+        for step in optimizer_steps(rows, ctx):
+            for micro in step.micro_batches:
+                real = [r for r in micro if r is not None]
+                if real:
+                    total += len(real) * max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real)
     return total
 
 

@@ -1,0 +1,68 @@
+"""One rank of tests/test_train_batching.py: the gradient of train's first optimizer step, written to a file.
+
+Run as `python -m tests.workers.step_gradients MODEL_DIR OUT_FILE key=value ...` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Builds train's real DeepSpeed engine (stages.train's
+config and optimizer-step plan, gloo on CPU) over a fixed synthetic train set, runs the first
+optimizer step's micro-batches through stages.train.micro_step, and rank 0 saves every parameter's
+full fp32 gradient (deepspeed.utils.safe_get_full_grad) as it stands at the step's boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+import torch
+
+
+def train_rows(n: int = 12, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p, c = rng.randint(2, 6), rng.randint(1, 20)  # lengths that vary: groupings differ
+        rows.append({"prompt_ids": [rng.randint(4, 90) for _ in range(p)],
+                     "completion_ids": [rng.randint(4, 90) for _ in range(c)],
+                     "logprobs": [-rng.uniform(2.0, 6.0) for _ in range(c)],
+                     "advantage": rng.uniform(-1.5, 1.5), "prompt_id": f"p{i}"})
+    return rows
+
+
+def main() -> int:
+    model_dir, out, *overrides = sys.argv[1:]
+    import deepspeed
+    import torch.distributed as tdist
+    from deepspeed.utils import safe_get_full_grad
+
+    from stages.common.config import load_config
+    from stages.common.modeling import load_policy
+    from stages.train import deepspeed_config, micro_step, optimizer_steps
+    from stages.common.batches import collate
+
+    torch.manual_seed(0)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    cfg = load_config("configs/local_tiny.yaml", [f"model.path={model_dir}", *overrides])
+    ctx = SimpleNamespace(cfg=cfg, iteration=0, rank=rank, world_size=world)
+    model = load_policy(model_dir, "float32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(ctx))
+    step = optimizer_steps(train_rows(), ctx)[0]
+    for i, micro in enumerate(step.micro_batches):
+        if step.normalizer is not None:
+            engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
+        micro_step(engine, None, collate(micro, torch.device("cpu")), cfg.train, 1.0, step.normalizer)
+        if i < len(step.micro_batches) - 1:
+            engine.step()  # not a boundary: accumulates only
+    grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    if rank == 0:
+        torch.save({"grads": grads, "micro_batches": [len(m) for m in step.micro_batches],
+                    "steps": len(optimizer_steps(train_rows(), ctx))}, out)
+    tdist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
