@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,10 @@ def main(ctx: StageContext) -> None:
     phases.done("deepspeed_initialize")
     watchdog.beat("resume optimizer state")
     resume_optimizer(ctx, engine)
+    if ctx.rank == 0:
+        # A staging directory left by an attempt that died mid-write: nobody else writes it until the
+        # barrier below.
+        shutil.rmtree(ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration), ignore_errors=True)
     phases.done("resume_checkpoint")
     dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     phases.done("barrier")
@@ -93,8 +98,7 @@ def main(ctx: StageContext) -> None:
     t2 = time.time()
     watchdog.beat("save checkpoint")
     release_cached_memory()
-    with checkpoint_io(t.checkpoint_mmap):
-        engine.save_checkpoint(str(ctx.paths.checkpoints), tag=tag, client_state={"iteration": ctx.iteration})
+    write_checkpoint(ctx, engine)
     watchdog.beat("finish")
     save_s = time.time() - t2
     outputs = []
@@ -120,6 +124,34 @@ def main(ctx: StageContext) -> None:
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
     watchdog.stop()
     del hf_ds_config
+
+
+def write_checkpoint(ctx: StageContext, engine) -> None:
+    """DeepSpeed's checkpoint of this iteration, visible under checkpoints/iter_I only once complete.
+
+    Every rank writes its shard into a staging directory; once all have (a barrier that names any
+    rank that did not), rank 0 renames it into place. A full disk or a killed rank leaves at most
+    the staging directory, which the next attempt clears, and never a checkpoint that looks whole.
+    """
+    t = ctx.cfg.train
+    staging = ctx.paths.checkpoint_staging_tag(ctx.iteration)
+    with checkpoint_io(t.checkpoint_mmap):
+        # save_latest=False: syncrl names the tag it resumes from; a "latest" file would name the staging one.
+        engine.save_checkpoint(str(ctx.paths.checkpoints), tag=staging, save_latest=False,
+                               client_state={"iteration": ctx.iteration})
+    dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", t.timeout_s)
+    if ctx.rank == 0:
+        publish_dir(ctx.paths.checkpoints / staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
+
+
+def publish_dir(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`, replacing an older `final` (a rerun of the stage) whole."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def preload(ctx: StageContext) -> None:

@@ -247,6 +247,40 @@ def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
     report("disk full while saving", detect, recover)
 
 
+@pytest.mark.slow
+def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(tmp_path):
+    """Local: a file-size limit on train's ranks stands in for a full disk (EFBIG, like ENOSPC)."""
+    run_dir = tmp_path / "run"
+    # Two checkpoints kept: redoing iteration 1's train resumes iteration 0's optimizer state.
+    cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
+           *SMALL_RUN, "save.keep_checkpoints=2", "--launcher", "local"]
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+    ckpt = run_dir / "checkpoints" / "iter_00001"
+    published = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    weights = (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes()
+    # Train iteration 1 again under a 64 KiB file-size limit: its shards (~0.4 MB each) cannot be written.
+    t0 = time.time()
+    limited = subprocess.run(["bash", "-c", 'ulimit -f 64 && exec "$@"', "_", sys.executable, "-m", "jobs.cli",
+                              "rerun", str(run_dir), "--iteration", "1", "--stage", "train", "--launcher", "local"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    detect = time.time() - t0
+    assert limited.returncode == 1, limited.stderr[-3000:]
+    assert "iteration 1 train attempt 2 failed" in limited.stderr, limited.stderr[-3000:]
+    # The published checkpoint is whole and unchanged; the partial write stayed in its staging directory.
+    assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == published
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")] == [".iter_00001.tmp"]
+    # With space again, the same run command redoes train, to a bit-identical checkpoint: save's
+    # inputs are unchanged, so its export stands. Nothing half-written is left.
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    recover = time.time() - t0
+    assert "iteration 1 train    launching" in again.stderr and "iteration 1 save     already done" in again.stderr
+    assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == published
+    assert (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes() == weights
+    no_half_files(run_dir)
+    report("disk full while train writes its checkpoint", detect, recover)
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_node_lost_during_a_step(reference_run, tmp_path):

@@ -56,6 +56,10 @@ class RunPaths:
     def checkpoint_tag(self, it: int) -> str:
         return f"iter_{it:05d}"
 
+    def checkpoint_staging_tag(self, it: int) -> str:
+        """Where train writes iteration `it`'s checkpoint before publishing it under checkpoint_tag."""
+        return f".{self.checkpoint_tag(it)}.tmp"
+
     def logs(self, it: int, stage: str, attempt: int) -> Path:
         return self.root / "logs" / f"iter_{it:05d}" / stage / f"attempt_{attempt}"
 
