@@ -150,7 +150,9 @@ def cmd_rerun(args) -> int:
     paths = RunPaths(args.run_dir)
     if not paths.config.is_file():
         raise FileNotFoundError(f"{paths.config} not found: {paths.root} is not a syncrl run directory")
-    cfg = load_config(paths.config)
+    # The run acted on is the directory given, wherever it lives now: its config may record another
+    # path (the run was copied or moved), which must not be touched.
+    cfg = load_config(paths.config, [f"run_dir={paths.root.resolve()}"])
     return _coordinate(cfg, args.launcher, lambda c: c.rerun(args.iteration, args.stage))
 
 

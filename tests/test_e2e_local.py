@@ -195,3 +195,24 @@ def test_generate_spread_over_two_ranks_slots(tmp_path):
     assert len(rows) == 8 * 4  # every prompt of the iteration x attempts, in the one shard
     markers = json.loads((it / "markers" / "train.done").read_text())
     assert markers["world_size"] == 2 and json.loads((it / "markers" / "generate.done").read_text())["world_size"] == 1
+
+
+def test_rerun_acts_on_the_run_dir_given_not_the_one_its_config_records(tmp_path):
+    import shutil
+
+    original = tmp_path / "original"
+    proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={original}", "iterations=1", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p: p.stat().st_mtime_ns for p in original.rglob("*")}
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    proc = syncrl("rerun", str(copy), "--iteration", "0", "--stage", "score")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (copy / "logs" / "iter_00000" / "score" / "attempt_2").is_dir()
+    assert {p: p.stat().st_mtime_ns for p in original.rglob("*")} == before  # the original is untouched
+    # Moved: the old path is not recreated.
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    proc = syncrl("rerun", str(moved), "--iteration", "0", "--stage", "gather")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not copy.exists() and (moved / "logs" / "iter_00000" / "gather" / "attempt_2").is_dir()
