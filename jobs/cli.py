@@ -153,6 +153,12 @@ def cmd_rerun(args) -> int:
     # The run acted on is the directory given, wherever it lives now: its config may record another
     # path (the run was copied or moved), which must not be touched.
     cfg = load_config(paths.config, [f"run_dir={paths.root.resolve()}"])
+    if not 0 <= args.iteration < cfg.iterations:
+        present = paths.iterations_present()
+        raise ConfigError(f"--iteration {args.iteration}: this run has iterations 0-{cfg.iterations - 1} "
+                          f"(iterations={cfg.iterations} in {paths.config}; started: "
+                          f"{', '.join(map(str, present)) or 'none'}); to add iterations, syncrl run it with "
+                          f"iterations=N")
     return _coordinate(cfg, args.launcher, lambda c: c.rerun(args.iteration, args.stage))
 
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from jobs.status import coordinator_running
 from stages.common import markers
-from stages.common.paths import STAGES, RunPaths
+from stages.common.config import ConfigError
+from stages.common.paths import STAGES, RunPaths, numbered
 
 PREFIX = re.compile(r"^\[(n\d+:r\d+)\] (\d\d):(\d\d):(\d\d)\.(\d{3}) ")
 FIRST_LINE = re.compile(r"host=(\S+) .*node=(\d+)")
+RANK_LOG = re.compile(r"rank_\d+\.log")
 POLL_S = 0.25
 
 
@@ -70,11 +72,12 @@ class RankLog:
 def latest_stage(paths: RunPaths) -> tuple[int, str]:
     """The iteration and stage whose logs were written most recently."""
     best = None
-    for it_dir in (paths.root / "logs").glob("iter_*"):
+    for it in numbered(paths.root / "logs", "iter_"):
+        it_dir = paths.root / "logs" / f"iter_{it:05d}"
         for stage_dir in it_dir.iterdir():
-            if stage_dir.name in STAGES:
+            if stage_dir.name in STAGES and stage_dir.is_dir():
                 mtime = max((p.stat().st_mtime for p in stage_dir.rglob("*")), default=stage_dir.stat().st_mtime)
-                key = (mtime, int(it_dir.name[5:]), STAGES.index(stage_dir.name))
+                key = (mtime, it, STAGES.index(stage_dir.name))
                 best = max(best or key, key)
     if best is None:
         raise FileNotFoundError(f"no logs under {paths.root / 'logs'}: has the run started?")
@@ -86,10 +89,13 @@ def select(paths: RunPaths, iteration: int | None, stage: str | None, attempt: i
         it, st = latest_stage(paths)
         iteration = it if iteration is None else iteration
         stage = st if stage is None else stage
-    attempt = attempt or paths.attempts_so_far(iteration, stage)
-    if attempt == 0:
+    attempts = paths.attempts(iteration, stage)
+    if not attempts:
         raise FileNotFoundError(f"no logs for iteration {iteration} stage {stage} in {paths.root / 'logs'}")
-    return iteration, stage, attempt
+    if attempt is not None and attempt not in attempts:
+        raise ConfigError(f"--attempt {attempt}: iteration {iteration} stage {stage} has attempt(s) "
+                          f"{', '.join(map(str, attempts))}")
+    return iteration, stage, attempt or attempts[-1]
 
 
 def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node=None, follow=False,
@@ -102,6 +108,8 @@ def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node
 
     def poll() -> list[tuple[float, int, str]]:
         for p in sorted(log_dir.glob("rank_*.log")):
+            if not RANK_LOG.fullmatch(p.name):
+                continue
             r = int(p.stem[5:])
             if r not in logs and (rank is None or r == rank):
                 logs[r] = RankLog(p, r)
@@ -113,6 +121,7 @@ def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node
         return sorted(new, key=lambda x: (x[0], x[1]))
 
     batch = poll()
+    check_selection(log_dir, logs, rank, node, follow and _running(paths, iteration, stage, attempt))
     if lines:
         batch = batch[-lines:]
     _emit(batch, out)
@@ -126,6 +135,18 @@ def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node
             _emit(poll(), out)  # lines written just before the end
             print(f"== stage {stage} of iteration {iteration} is no longer running", file=out, flush=True)
             return
+
+
+def check_selection(log_dir: Path, logs: dict, rank, node, may_appear: bool) -> None:
+    """--rank / --node must name one that logged (a stage still running may yet start a rank's file)."""
+    ranks = sorted(int(p.stem[5:]) for p in log_dir.glob("rank_*.log") if RANK_LOG.fullmatch(p.name))
+    if rank is not None and rank not in ranks and not may_appear:
+        raise ConfigError(f"--rank {rank}: {log_dir} has logs of rank(s) {', '.join(map(str, ranks)) or 'none'}")
+    if node is not None and logs and not may_appear:
+        known = sorted({str(lg.node) for lg in logs.values() if lg.node is not None} |
+                       {lg.host for lg in logs.values() if lg.host})
+        if str(node) not in known:
+            raise ConfigError(f"--node {node}: the ranks in {log_dir} ran on node(s) {', '.join(known) or 'unknown'}")
 
 
 def _emit(batch, out) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from stages.common import markers
 from stages.common.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
+from stages.common.paths import numbered
 from stages.common.serialization import checkpoint_io
 from stages.common.stage import StageContext, run_stage
 
@@ -137,7 +138,7 @@ def prune_models(ctx: StageContext) -> list[str]:
 
 
 def _prune(ctx: StageContext, parent: Path, keep: int) -> list[str]:
-    dirs = sorted(p for p in parent.glob("iter_*") if p.is_dir() and int(p.name[5:]) <= ctx.iteration)
+    dirs = [parent / f"iter_{i:05d}" for i in numbered(parent, "iter_") if i <= ctx.iteration]
     removed = []
     for p in dirs[:-keep]:
         shutil.rmtree(p)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 STAGES = ("generate", "score", "gather", "train", "save")
@@ -68,13 +69,20 @@ class RunPaths:
 
     def attempts_so_far(self, it: int, stage: str) -> int:
         """Highest attempt number with a log folder (0 if the stage never started)."""
-        base = self.root / "logs" / f"iter_{it:05d}" / stage
-        if not base.is_dir():
-            return 0
-        nums = [int(p.name.split("_")[1]) for p in base.iterdir() if p.name.startswith("attempt_")]
-        return max(nums, default=0)
+        return max(self.attempts(it, stage), default=0)
+
+    def attempts(self, it: int, stage: str) -> list[int]:
+        """Attempt numbers with a log folder, in order."""
+        return numbered(self.root / "logs" / f"iter_{it:05d}" / stage, "attempt_")
 
     def iterations_present(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        return sorted(int(p.name[5:]) for p in self.root.iterdir() if p.name.startswith("iter_") and p.is_dir())
+        return numbered(self.root, "iter_")
+
+
+def numbered(parent: Path, prefix: str, digits: str = r"\d+") -> list[int]:
+    """N of each PREFIX<N> folder in `parent`, sorted. Anything else a user left there (iter_00003.bak,
+    a copy, a file) is not syncrl's and is ignored."""
+    pattern = re.compile(re.escape(prefix) + f"({digits})")
+    if not parent.is_dir():
+        return []
+    return sorted(int(m[1]) for p in parent.iterdir() if (m := pattern.fullmatch(p.name)) and p.is_dir())

@@ -1,0 +1,65 @@
+"""The CLI's edges on a finished run dir: out-of-range arguments are refused up front with exit 2 and
+one line naming what exists; folders a user left in the run dir are ignored. One real local run
+(tiny model, 2 ranks) serves every case."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["start_early=always", "data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16"]
+
+
+def syncrl(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("edges") / "run"
+    proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1", *SMALL, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def refused(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for n in needles:
+        assert n in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("iteration", ["-1", "5"])
+def test_rerun_of_an_iteration_the_run_does_not_have_is_refused(run_dir, iteration):
+    before = sorted(p.name for p in run_dir.iterdir())
+    refused(syncrl("rerun", str(run_dir), "--iteration", iteration, "--stage", "score"),
+            f"--iteration {iteration}", "iterations 0-0")
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # no iter_-0001/, no attempt launched
+    assert not (run_dir / "logs" / "iter_00000" / "score" / "attempt_2").exists()
+
+
+@pytest.mark.parametrize("args,needle", [(["--rank", "99"], "rank(s) 0, 1"), (["--attempt", "9"], "attempt(s) 1"),
+                                          (["--node", "zz"], "node(s)")])
+def test_tail_of_a_rank_node_or_attempt_that_does_not_exist_is_an_error(run_dir, args, needle):
+    refused(syncrl("tail", str(run_dir), "--iteration", "0", "--stage", "train", *args), needle)
+    assert syncrl("tail", str(run_dir), "--iteration", "0", "--stage", "train", "--rank", "1").returncode == 0
+
+
+def test_folders_that_are_not_syncrls_are_ignored(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.copytree(copy / "iter_00000", copy / "iter_00000.bak")
+    shutil.copytree(copy / "logs" / "iter_00000", copy / "logs" / "iter_00000.old")
+    (copy / "logs" / "iter_00000" / "train" / "attempt_1.keep").mkdir()
+    status = syncrl("status", str(copy))
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert "5/5 stages done" in status.stdout
+    tail = syncrl("tail", str(copy))
+    assert tail.returncode == 0 and "Traceback" not in tail.stderr, tail.stderr
+    report = syncrl("report", str(copy), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr
