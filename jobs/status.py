@@ -11,7 +11,11 @@ from stages.common.stage import base_model_id
 
 
 def stage_states(run_dir: str) -> list[dict]:
-    """One dict per (iteration, stage): state, duration_s, attempts, hosts, failed_ranks."""
+    """One dict per (iteration, stage): state, duration_s, attempts, hosts, failed_ranks.
+
+    Iterations up to the first that has not started are listed one by one; the rest, all pending,
+    as one row (iteration "A-B"), so that the table's size follows the run's progress, not its length.
+    """
     paths = RunPaths(run_dir)
     if not paths.config.is_file():
         raise FileNotFoundError(f"{paths.config} not found: {paths.root} is not a syncrl run directory")
@@ -19,9 +23,15 @@ def stage_states(run_dir: str) -> list[dict]:
     chash = config_hash(cfg)
     running = coordinator_running(paths)
     rows = []
-    for it in range(max(cfg.iterations, max(paths.iterations_present(), default=-1) + 1)):
+    last = max(cfg.iterations, max(paths.iterations_present(), default=-1) + 1)
+    shown = min(last, max(paths.iterations_present(), default=-1) + 2)
+    for it in range(shown):
         for stage in STAGES:
             rows.append(_state(paths, it, stage, chash, base_model_id(cfg), running))
+    if shown < last:
+        rows.append({"iteration": f"{shown}-{last - 1}" if last - 1 > shown else str(shown), "stage": "all",
+                     "state": "pending", "duration_s": None, "attempts": 0, "hosts": [], "failed_ranks": [],
+                     "stages": (last - shown) * len(STAGES)})
     return rows
 
 
@@ -64,5 +74,5 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['iteration']:>5}  {r['stage']:<9}{r['state']:<12}{dur:>9}  {r['attempts']:>8}  "
                      f"{','.join(r['hosts']) or '-':<12}{','.join(map(str, r['failed_ranks'])) or '-'}")
     done = sum(r["state"] == "done" for r in rows)
-    lines.append(f"{done}/{len(rows)} stages done")
+    lines.append(f"{done}/{sum(r.get('stages', 1) for r in rows)} stages done")
     return "\n".join(lines)

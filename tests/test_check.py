@@ -99,3 +99,45 @@ def test_cli_exit_status_and_no_traceback(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown key 'iteratons'" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "r").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("name,text,needles", [
+    ("dup.yaml", "train:\n  lr: 0.1\n  epochs: 3\niterations: 2\ntrain:\n  micro_batch_size: 8\n",
+     ["key 'train' appears twice", "lines 1 and 5"]),
+    ("latin1.yaml", "iterations: 2\n# caf\xe9\n", ["not UTF-8", "byte 0xe9 at offset 19", "line 2"]),
+    ("field.yaml", "data:\n  prompt_template: '{question} {x}'\n", ["data.prompt_template", "other than {question}"]),
+    ("brace.yaml", "data:\n  prompt_template: '{question} {'\n", ["data.prompt_template", "literal brace"]),
+    ("huge.yaml", "iterations: 100000000000000000000000\n", ["iterations must be at most 1,000,000"]),
+])
+def test_config_files_that_yaml_or_python_would_accept_wrongly(tmp_path, name, text, needles):
+    path = tmp_path / name
+    path.write_bytes(text.encode("latin-1"))
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "check", str(path), f"run_dir={tmp_path}/r"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_prompts_file_that_is_not_utf8_or_empty(tmp_path):
+    bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    bad.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "\xff", "answer": "#### 2"}\n')
+    empty.write_text("\n")
+    for path, needle in ((bad, f"{bad}: not UTF-8 text: byte 0xff at offset 52 (line 2)"),
+                         (empty, f"data.source {empty} is empty")):
+        proc = subprocess.run([sys.executable, "-m", "jobs.cli", "check", TINY, f"data.source={path}",
+                               f"run_dir={tmp_path}/r"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_status_of_a_long_run_lists_what_started_and_the_rest_in_one_row(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    cfg = load_config(TINY, [f"run_dir={run}", "iterations=1000000"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "1-999999  all" in proc.stdout and "0/5000000 stages done" in proc.stdout
+    assert len(proc.stdout.splitlines()) == 2 + 5 + 1 + 1

@@ -46,7 +46,7 @@ def test_jsonl_reader_names_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"d.jsonl:1: 'answer' must end with '#### <number>'"):
         read_jsonl_problems(p)
     p.write_text("")
-    with pytest.raises(ConfigError, match="no problems"):
+    with pytest.raises(ConfigError, match="is empty: it holds no problems"):
         read_jsonl_problems(p)
 
 

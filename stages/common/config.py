@@ -55,6 +55,14 @@ class DataConfig:
             raise ConfigError(
                 "data.prompt_template must contain '{question}' (for example \"Question: {question}\\nAnswer:\")"
             )
+        try:
+            self.prompt_template.format(question="")
+        except (KeyError, IndexError) as e:
+            raise ConfigError(f"data.prompt_template {self.prompt_template!r} has a field other than {{question}} "
+                              f"({e}); write a literal brace as {{{{ or }}}}") from None
+        except ValueError as e:
+            raise ConfigError(f"data.prompt_template {self.prompt_template!r}: {e}; write a literal brace as "
+                              f"{{{{ or }}}}") from None
 
 
 @dataclass
@@ -292,7 +300,9 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file {path} not found (or not a file): pass an existing YAML file")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.load(read_text_file(p), Loader=_UniqueKeyLoader) or {}
+        except DuplicateKey as e:
+            raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -303,6 +313,36 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
         key, value = _parse_override(item)
         _set_dotted(raw, key, value)
     return from_dict(RunConfig, raw, source=source)
+
+
+def read_text_file(path: Path) -> str:
+    """A text file's contents as UTF-8, or a ConfigError naming the file and the first bad byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} (line {line}); "
+                          f"save the file as UTF-8") from None
+
+
+class DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last silently:
+    a second `train:` section would reset the first's settings to their defaults)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(f"key '{key}' appears twice in one section, at lines {seen[key] + 1} and "
+                                   f"{key_node.start_mark.line + 1}: keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 def from_dict(cls, raw: dict, source: str = "config", prefix: str = ""):
@@ -429,6 +469,15 @@ def _coerce(hint, value, key: str, source: str):
 def _positive(key: str, value) -> None:
     if value <= 0:
         raise ConfigError(f"{key} must be > 0 (got {value})")
+    if key in UPPER_BOUNDS and value > UPPER_BOUNDS[key]:
+        raise ConfigError(f"{key} must be at most {UPPER_BOUNDS[key]:,} (got {value:,})")
+
+
+# Sizes past which a value is a typo, not a plan: each would have syncrl do work or hold memory in
+# proportion to it before any stage ran.
+UPPER_BOUNDS = {"iterations": 1_000_000, "ranks": 100_000, "generate.attempts": 10_000,
+                "generate.max_new_tokens": 1_000_000, "data.prompts_per_iteration": 100_000_000,
+                "data.synthetic_size": 100_000_000, "train.epochs": 10_000}
 
 
 def _choice(key: str, value, allowed) -> None:

@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from stages.common.config import ConfigError, DataConfig
+from stages.common.config import ConfigError, DataConfig, read_text_file
 
 
 def load_problems(cfg: DataConfig, seed: int) -> list[dict]:
@@ -65,22 +65,22 @@ def read_jsonl_problems(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"data.source {path} not found: give a GSM8K-format JSONL file, a hub name, or 'synthetic'")
     problems = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
-                    or not isinstance(row.get("answer"), str):
-                raise ConfigError(f"{path}:{lineno}: each row needs string fields 'question' and 'answer'")
-            if "####" not in row["answer"]:
-                raise ConfigError(f"{path}:{lineno}: 'answer' must end with '#### <number>' (GSM8K format)")
-            problems.append({"question": row["question"], "answer": row["answer"]})
+    for lineno, line in enumerate(read_text_file(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
+                or not isinstance(row.get("answer"), str):
+            raise ConfigError(f"{path}:{lineno}: each row needs string fields 'question' and 'answer'")
+        if "####" not in row["answer"]:
+            raise ConfigError(f"{path}:{lineno}: 'answer' must end with '#### <number>' (GSM8K format)")
+        problems.append({"question": row["question"], "answer": row["answer"]})
     if not problems:
-        raise ConfigError(f"{path}: no problems found (the file is empty)")
+        raise ConfigError(f"data.source {path} is empty: it holds no problems; give a GSM8K-format JSONL file, "
+                          "one {\"question\": ..., \"answer\": ...} object per line")
     return problems
 
 
