@@ -311,11 +311,26 @@ def test_agrees_with_every_label_of_openai_example_solutions():
         for key in MODEL_KEYS:
             labelled = row[key]
             checked += 1
-            for ref in (reference, ground_truth):
+            # The GSM8K answer field, the bare "A: N" value, and the worked ground truth itself.
+            for ref in (reference, ground_truth, row["ground_truth"]):
                 if is_correct(labelled["solution"], ref) is not labelled["is_correct"]:
                     disagreements.append((key, labelled["solution"][-120:], ref[-40:]))
     assert checked == len(MODEL_KEYS) * len(rows)
     assert not disagreements, f"{len(disagreements)} disagreements, e.g. {disagreements[:5]}"
+
+
+@pytest.mark.parametrize("reference,completion,expected", [
+    ("She has 3 + 15 = 18 apples.\nA: 18", "so 18", True),   # a worked solution without ####
+    ("She has 3 + 15 = 18 apples.\nA: 18", "so 17", False),
+    ("The total is \\boxed{1,200}.", "#### 1200", True),
+    ("A: 18", "the answer is 18.", True),
+    ("yes", "yes", True),                                  # a bare non-numeric answer: text
+    ("#### yes", "no", False),
+])
+def test_is_correct_reads_every_reference_as_extract_answer_does(reference, completion, expected):
+    assert is_correct(completion, reference) is expected
+    if extract_answer(reference) is not None and "####" not in reference:
+        assert is_correct(reference, reference)  # a worked solution is right about itself
 
 
 # --- robustness -------------------------------------------------------------------

@@ -76,12 +76,18 @@ def is_correct(completion: str, reference: str) -> bool:
     """Whether the final answer of ``completion`` matches ``reference``.
 
     ``reference`` is a GSM8K ``answer`` field (worked solution ending in
-    ``#### N``) or a bare answer such as ``"72"`` or ``"1,000"``.  Numbers are
-    compared by value; a non-numeric reference answer is compared as text with
-    the completion's own final-answer text.
+    ``#### N``), a bare answer such as ``"72"`` or ``"1,000"``, or any other
+    worked solution, whose final answer is read as :func:`extract_answer`
+    reads a completion's (a last ``\boxed{N}``, else its last number).  Numbers
+    are compared by value; a non-numeric answer is compared as text with the
+    completion's own final-answer text.
     """
     expected_text = _answer_text(reference)
     expected = normalize_number(expected_text)
+    if expected is None and _MARKER not in reference and len(reference.split()) > 1:
+        # Neither a bare answer (one word: "72", "1/2", "yes") nor `####`: a worked solution ending
+        # otherwise ("A: 18", a \boxed{}), whose final answer is found the way a completion's is.
+        expected = extract_answer(reference)
     if expected is not None:
         # Canonical forms have no redundant zeros, commas or signs, so string
         # equality is exact numeric equality without float rounding and
