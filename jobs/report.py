@@ -41,6 +41,20 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[Path, Path]:
     rows = collect(run_dir)
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
+    fig = report_figure(rows, run_dir)
+    png = out / "report.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    md = out / "report.md"
+    md.write_text(markdown(rows, png.name))
+    return png, md
+
+
+def report_figure(rows: list[dict], run_dir: str):
+    """The two panels: reward and accuracy, and stage wall time, per iteration."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     its = [r["iteration"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     ax1.plot(its, [r["reward_mean"] for r in rows], marker="o", label="mean reward")
@@ -58,14 +72,11 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[Path, Path]:
     ax2.set_ylabel("seconds")
     ax2.set_title("stage wall time per iteration")
     ax2.legend(fontsize="small")
-    fig.suptitle(f"syncrl run {Path(run_dir).resolve().name}")
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
+    fig.suptitle(f"syncrl: {Path(run_dir).resolve()}")  # the run's path: its last part is often just "run"
     fig.tight_layout()
-    png = out / "report.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    md = out / "report.md"
-    md.write_text(markdown(rows, png.name))
-    return png, md
+    return fig
 
 
 def markdown(rows: list[dict], png_name: str) -> str:

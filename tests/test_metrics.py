@@ -24,3 +24,19 @@ def test_disabled_wandb_still_records_every_stage(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["train/loss_mean"], r["train/retries"]) for r in rows] == [(0, 0.5, 0), (1, 0.25, 1)]
     assert not (tmp_path / "wandb").exists()
+
+
+def test_report_figure_has_whole_iteration_ticks_and_names_the_run(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from jobs.report import report_figure
+    from stages.common.paths import STAGES
+
+    rows = [{"iteration": i, "reward_mean": 0.1 * i, "accuracy": 0.05 * i, **{f"{s}_s": 1.0 for s in STAGES}}
+            for i in range(2)]
+    fig = report_figure(rows, str(tmp_path / "run"))
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
+    assert fig._suptitle.get_text() == f"syncrl: {(tmp_path / 'run').resolve()}"
