@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"syncrl {args.command}: {e}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, FileExistsError) as e:
         print(f"syncrl {args.command}: {e}", file=sys.stderr)
         return 2
 
@@ -113,12 +113,16 @@ def _checked_config(args, launcher: str):
 
 
 def cmd_run(args) -> int:
-    from jobs.coordinator import prepare_run, setup_coordinator_logging
+    from jobs.coordinator import prepare_run, run_lock, setup_coordinator_logging
 
     setup_coordinator_logging()
     cfg = _checked_config(args, args.launcher)
-    prepare_run(cfg)
-    return _coordinate(cfg, args.launcher, lambda c: c.run())
+    lock = run_lock(cfg)
+    try:
+        prepare_run(cfg)
+        return _coordinate(cfg, args.launcher, lambda c: c.run(), lock)
+    finally:
+        lock.release(force=True)
 
 
 def cmd_submit(args) -> int:
@@ -127,7 +131,11 @@ def cmd_submit(args) -> int:
 
     setup_coordinator_logging()
     cfg = _checked_config(args, "srun")
-    prepare_run(cfg)
+    lock = run_lock(cfg)  # held while the run dir is prepared; the submitted job takes its own
+    try:
+        prepare_run(cfg)
+    finally:
+        lock.release(force=True)
     print_submitted(submit(cfg), cfg.run_dir)
     return 0
 
@@ -162,7 +170,7 @@ def cmd_rerun(args) -> int:
     return _coordinate(cfg, args.launcher, lambda c: c.rerun(args.iteration, args.stage))
 
 
-def _coordinate(cfg, launcher_kind: str, action) -> int:
+def _coordinate(cfg, launcher_kind: str, action, lock=None) -> int:
     """Run `action(coordinator)`; a stage failure or an interrupt becomes an exit status and a hint."""
     from jobs.coordinator import Coordinator, StageFailed
     from jobs.launchers import make_launcher
@@ -171,7 +179,7 @@ def _coordinate(cfg, launcher_kind: str, action) -> int:
     log.info("launcher %s: %d task(s) per multi-rank stage on %s", launcher.name, launcher.ntasks("train"),
              ",".join(launcher.nodes()))
     try:
-        action(Coordinator(cfg, launcher))
+        action(Coordinator(cfg, launcher, lock))
     except StageFailed as e:
         log.error("stopped: %s\nFix the cause, then run the same command again: completed stages are kept.", e)
         return 1

@@ -69,9 +69,28 @@ def prepare_run(cfg: RunConfig) -> RunPaths:
     return paths
 
 
+def run_lock(cfg: RunConfig) -> filelock.FileLock:
+    """The run dir's coordinator lock, taken: before anything in the run dir is written (the config,
+    the base model), so that a second coordinator on the same run changes nothing. The run dir
+    itself is created for it. The lock dies with its process, even on kill -9."""
+    resolve_paths(cfg)
+    paths = RunPaths(cfg.run_dir)
+    if paths.root.exists() and not paths.root.is_dir():
+        raise ConfigError(f"run_dir {paths.root} exists and is not a directory: choose another run_dir")
+    paths.root.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(paths.lock)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise ConfigError(f"another coordinator is running on {paths.root} (lock {paths.lock} is held); "
+                          f"nothing was changed: wait for it or stop it first") from None
+    return lock
+
+
 class Coordinator:
-    def __init__(self, cfg: RunConfig, launcher):
+    def __init__(self, cfg: RunConfig, launcher, lock: filelock.FileLock | None = None):
         self.cfg = cfg
+        self._lock = lock
         self.launcher = launcher
         self.paths = RunPaths(cfg.run_dir)
         self.chash = config_hash(cfg)
@@ -92,7 +111,8 @@ class Coordinator:
     @contextlib.contextmanager
     def _locked(self):
         """One coordinator per run dir; SIGTERM (scancel, time limit) unwinds so launches are stopped."""
-        lock = filelock.FileLock(self.paths.lock)
+        # The lock taken before the run dir was prepared is reentrant: acquiring it again only counts.
+        lock = self._lock or filelock.FileLock(self.paths.lock)
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:

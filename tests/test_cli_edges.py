@@ -63,3 +63,41 @@ def test_folders_that_are_not_syncrls_are_ignored(run_dir, tmp_path):
     assert tail.returncode == 0 and "Traceback" not in tail.stderr, tail.stderr
     report = syncrl("report", str(copy), "--out", str(tmp_path / "report"))
     assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr
+
+
+def test_a_second_coordinator_changes_nothing(tmp_path):
+    import filelock
+
+    run = tmp_path / "run"
+    first = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1", *SMALL, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".coordinator.lock"}
+    with filelock.FileLock(run / ".coordinator.lock", timeout=0):  # as a running coordinator holds it
+        second = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=6", *SMALL)
+    refused(second, "another coordinator is running", "nothing was changed")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".coordinator.lock"} == before
+
+
+def test_two_coordinators_started_at_once_on_a_fresh_dir(tmp_path):
+    run = tmp_path / "fresh"
+    cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1", *SMALL]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, err in results if code == 2)
+    assert "another coordinator is running" in loser and "Traceback" not in loser
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+
+def test_init_model_onto_an_existing_dir_or_twice_at_once(tmp_path):
+    out = tmp_path / "m"
+    cmd = [sys.executable, "-m", "jobs.cli", "init-model", str(out)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    assert all("Traceback" not in err for _, err in results)
+    refused(syncrl("init-model", str(out)), "already exists")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging directory left

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import string
+import tempfile
 from pathlib import Path
 
 from stages.common.markers import write_json_atomic
@@ -55,15 +56,26 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists: choose another directory, or remove it first")
     tokenizer = build_tokenizer()
     config = llama_config(PRESETS[preset], tokenizer)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    write_json_atomic(tmp / "syncrl_preset.json", {"preset": preset, "seed": seed})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out_dir)
+    # A staging directory of this process's own: two writers at once never share one.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json_atomic(tmp / "syncrl_preset.json", {"preset": preset, "seed": seed})
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if out_dir.exists():  # another writer published first
+                raise FileExistsError(f"{out_dir} already exists (written by another process at the same time): "
+                                      f"choose another directory, or remove it first") from None
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
