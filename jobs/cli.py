@@ -7,6 +7,7 @@ in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
@@ -77,6 +78,13 @@ def main(argv=None) -> int:
     except (FileNotFoundError, FileExistsError) as e:
         print(f"syncrl {args.command}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from jobs.coordinator import describe_os_error
+
+        print(f"syncrl {args.command}: {describe_os_error(e)}", file=sys.stderr)
+        return 1
 
 
 def _config_args(p) -> None:

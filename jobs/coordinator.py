@@ -8,6 +8,8 @@ so a killed or requeued coordinator resumes where the markers say.
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import logging
 import os
 import signal
@@ -40,6 +42,18 @@ START_EARLY = {
     "train": [(0, "save", "train", 0), (1, "generate", "save", 0)],
     "save": [(1, "train", "gather", 1)],
 }
+
+
+# Size of a stage's state file (JSON padded with spaces): room to rewrite it in place on a full disk.
+STATE_FILE_BYTES = 1024
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError, saying plainly when the disk (or a quota) is full."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full (no space left writing {e.filename or 'a file'}): free space, then run the same " \
+               f"command again; completed stages are kept"
+    return f"{e.strerror or e} ({e.filename})" if e.filename else str(e)
 
 
 class StageFailed(RuntimeError):
@@ -285,9 +299,25 @@ class Coordinator:
         self.metrics.stage_done(it, stage, marker)
 
     def _write_state(self, it: int, stage: str, state: str, attempt: int, failed_ranks=(), hosts=None) -> None:
-        markers.write_json_atomic(self.paths.markers(it) / f"{stage}.state.json", {
+        """The stage's state file, for `syncrl status`. A full disk must not stop the coordinator
+        from reporting the failure: the file is padded to a fixed size, so that when a new file
+        cannot be written the old one can still be overwritten in place, in the space it holds."""
+        path = self.paths.markers(it) / f"{stage}.state.json"
+        text = json.dumps({
             "state": state, "attempt": attempt, "time": time.time(), "failed_ranks": list(failed_ranks),
             "hosts": sorted(set((hosts or {}).values())), "coordinator": f"{socket.gethostname()}:{os.getpid()}"})
+        text = text.ljust(max(STATE_FILE_BYTES, len(text)))
+        try:
+            markers.write_text_atomic(path, text)
+            return
+        except OSError as e:
+            first = e
+        try:
+            with open(path, "r+") as f:
+                f.write(text)
+                f.truncate()
+        except OSError:
+            log.error("could not record iteration %d %s as %s in %s: %s", it, stage, state, path, describe_os_error(first))
 
     def _log_tails(self, it: int, stage: str, attempt: int, ranks: list[int], result) -> str:
         """Per failed rank: its failure record when it wrote one (it raised), else its log's last lines."""

@@ -281,6 +281,61 @@ def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(tmp
     report("disk full while train writes its checkpoint", detect, recover)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem of a given size (tmpfs), mounted for the test; skips where mounting is not allowed."""
+    mounts = []
+
+    def make(kib: int) -> Path:
+        where = tmp_path / f"disk{len(mounts)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounts.append(where)
+        return where
+
+    yield make
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_disk_full_at_the_start_is_one_line(small_disk):
+    disk = small_disk(64)
+    with open(disk / "filler", "wb", buffering=0) as f:  # take every block
+        try:
+            while True:
+                f.write(b"x" * 4096)
+
+        except OSError:
+            pass
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={disk}/run",
+                           "iterations=1", *SMALL_RUN, "--launcher", "local"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the disk is full" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_disk_full_during_train_is_recorded_as_a_failure(small_disk):
+    """A 1.2 MB filesystem holds the run up to train, not train's 1.4 MB checkpoint."""
+    run_dir = small_disk(1200) / "run"
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}",
+                           "iterations=1", *SMALL_RUN, "--launcher", "local"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    detect = time.time() - t0
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "iteration 0 train attempt" in proc.stderr and "failed on rank(s)" in proc.stderr, proc.stderr[-3000:]
+    assert "run the same command again" in proc.stderr
+    assert "Traceback (most recent call last)" not in proc.stderr.split("coordinator")[-1]
+    status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
+    assert re.search(r"0  train\s+failed", status), status
+    assert re.search(r"0  gather\s+done", status), status  # nothing completed is lost
+    report("disk full during train", detect, None)
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_node_lost_during_a_step(reference_run, tmp_path):
