@@ -134,7 +134,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from jobs.coordinator import prepare_run, setup_coordinator_logging
+    from jobs.coordinator import prepare_run, run_lock, setup_coordinator_logging
     from jobs.submit import print_submitted, submit
 
     setup_coordinator_logging()

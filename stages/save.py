@@ -70,7 +70,7 @@ def export_and_publish(ctx: StageContext, tag: str) -> tuple[float, float, Path]
         # A full disk or a bad export leaves nothing half-written behind; what was published stays.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    publish(tmp, target)
+    markers.publish_dir(tmp, target)
     return consolidate_s, export_s, target
 
 
@@ -115,16 +115,6 @@ def verify(out: Path, weights: dict, dtype: str) -> None:
     for name, tensor in weights.items():
         if name in reloaded and not torch.equal(reloaded[name], tensor):
             raise RuntimeError(f"exported model at {out} differs from the checkpoint at {name}")
-
-
-def publish(tmp: Path, target: Path) -> None:
-    """Atomic rename; an older export of the same iteration (a rerun) is moved aside first."""
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def prune_checkpoints(ctx: StageContext) -> list[str]:

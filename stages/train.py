@@ -141,17 +141,7 @@ def write_checkpoint(ctx: StageContext, engine) -> None:
                                client_state={"iteration": ctx.iteration})
     dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", t.timeout_s)
     if ctx.rank == 0:
-        publish_dir(ctx.paths.checkpoints / staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
-
-
-def publish_dir(staging: Path, final: Path) -> None:
-    """Rename `staging` to `final`, replacing an older `final` (a rerun of the stage) whole."""
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+        markers.publish_dir(ctx.paths.checkpoints / staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
 
 
 def preload(ctx: StageContext) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -201,3 +202,14 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: last line is cut short (file truncated)")
             rows.append(json.loads(line))
     return rows
+
+
+def publish_dir(staging: Path, final: Path) -> None:
+    """Rename the complete directory `staging` to `final` (atomic on one filesystem); an older
+    `final` (a rerun of the stage) is moved aside first and removed after."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -34,7 +34,7 @@ def main() -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from stages.common.decoding import CompactDecoder, SamplingParams
+    from stages.common.decoding import CompactDecoder
     from stages.common.modeling import load_policy
     from stages.common.tiny_model import create_base_model
 
