@@ -228,6 +228,10 @@ class CompactDecoder:
         self.rows, self.length = rows, length
         self.vocab = model.get_output_embeddings().weight.shape[0]
         devices = layer_devices(model, self.device)
+        if len(set(devices)) > 1:
+            # The buffer follows each layer's device, but this path has not run on several GPUs yet.
+            raise ValueError(f"generate.cache=compact has not been validated on a model spread over "
+                             f"{len(set(devices))} GPUs (generate.gpus_per_process > 1): set generate.cache=static")
         self.cache = RowCache(model.config, rows, length, self.dtype, devices)
         # A model spread over GPUs runs its layers in turn on each: no one graph captures that.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and len(set(devices)) == 1
