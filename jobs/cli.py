@@ -78,6 +78,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, FileExistsError) as e:
         print(f"syncrl {args.command}: {e}", file=sys.stderr)
         return 2
+    except PermissionError as e:
+        print(f"syncrl {args.command}: cannot {'read' if args.command in ('status', 'tail', 'report') else 'access'} "
+              f"{e.filename}: permission denied; ask its owner for access, or run as a user who has it", file=sys.stderr)
+        return 2
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

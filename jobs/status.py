@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import filelock
+import fcntl
+import os
 
 from stages.common import markers
 from stages.common.config import config_hash, load_config
@@ -39,6 +40,9 @@ def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running:
     row = {"iteration": it, "stage": stage, "state": "pending", "duration_s": None,
            "attempts": paths.attempts_so_far(it, stage), "hosts": [], "failed_ranks": []}
     m = markers.read_marker(paths, it, stage)
+    if m is None and (paths.markers(it) / markers.marker_name(stage, None)).is_file():
+        row["state"] = "corrupt"  # the marker is not valid JSON (cut short?): the next run redoes the stage
+        return row
     if m is not None:
         problem = markers.marker_problem(paths, m, chash, markers.input_fingerprint(paths, it, stage, base))
         row.update(state="done" if problem is None else "stale", duration_s=m.get("duration_s"),
@@ -56,13 +60,21 @@ def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running:
 
 
 def coordinator_running(paths: RunPaths) -> bool:
-    """Whether a coordinator holds the run's lock (the lock dies with its process, even on kill -9)."""
-    lock = filelock.FileLock(paths.lock)
+    """Whether a coordinator holds the run's lock (the lock dies with its process, even on kill -9).
+
+    Asked with a shared lock on a read-only descriptor, which conflicts with the coordinator's
+    exclusive one: status needs no write access to the run dir.
+    """
     try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
+        fd = os.open(paths.lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False  # no coordinator ever ran here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    lock.release()
+    finally:
+        os.close(fd)  # closing releases a lock taken here
     return False
 
 
@@ -73,6 +85,8 @@ def format_table(rows: list[dict]) -> str:
         dur = f"{r['duration_s']:.1f}s" if r["duration_s"] is not None else "-"
         lines.append(f"{r['iteration']:>5}  {r['stage']:<9}{r['state']:<12}{dur:>9}  {r['attempts']:>8}  "
                      f"{','.join(r['hosts']) or '-':<12}{','.join(map(str, r['failed_ranks'])) or '-'}")
+    if any(r["state"] == "corrupt" for r in rows):
+        lines.append("corrupt: the stage's marker is not valid JSON (cut short?); the next run redoes the stage")
     done = sum(r["state"] == "done" for r in rows)
     lines.append(f"{done}/{sum(r.get('stages', 1) for r in rows)} stages done")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 one line naming what exists; folders a user left in the run dir are ignored. One real local run
 (tiny model, 2 ranks) serves every case."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -101,3 +102,22 @@ def test_init_model_onto_an_existing_dir_or_twice_at_once(tmp_path):
     assert all("Traceback" not in err for _, err in results)
     refused(syncrl("init-model", str(out)), "already exists")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging directory left
+
+
+def test_status_needs_no_write_access_and_names_a_corrupt_marker(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    marker = copy / "iter_00000" / "markers" / "score.done"
+    marker.write_bytes(marker.read_bytes()[:40])  # cut short
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(copy), str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount read-only here")
+    try:
+        assert not os.access(ro, os.W_OK) or subprocess.run(["touch", str(ro / "x")]).returncode != 0
+        status = syncrl("status", str(ro))
+        assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+        assert "score    corrupt" in status.stdout and "not valid JSON" in status.stdout, status.stdout
+        assert syncrl("tail", str(ro), "--iteration", "0", "--stage", "score").returncode == 0
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
