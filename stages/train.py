@@ -15,7 +15,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -298,14 +297,14 @@ class OptimizerStep:
 def optimizer_steps(rows: list[dict], ctx: StageContext) -> list[OptimizerStep]:
     """This rank's optimizer steps, the same count (and micro-batch count) on every rank.
 
-    Each step takes the rows today's fixed micro-batches would (rank_micro_batches); with
+    Each step takes the rows today's fixed micro-batches would (micro_batches_by_rank); with
     train.max_tokens_per_micro_batch they are regrouped by length instead (token_budget_groups).
     Every rank holds the whole train set, so each computes every rank's grouping, and pads its own
     with empty micro-batches to the busiest rank's count, without communicating.
     """
     t = ctx.cfg.train
     per_step = t.micro_batch_size * t.gradient_accumulation_steps
-    fixed = [rank_micro_batches(rows, _rank_view(ctx, r), per_step * ctx.world_size) for r in range(ctx.world_size)]
+    fixed = micro_batches_by_rank(rows, ctx, per_step * ctx.world_size)
     n_steps = len(fixed[ctx.rank]) // t.gradient_accumulation_steps
     steps = []
     for k in range(n_steps):
@@ -338,25 +337,22 @@ def token_budget_groups(rows: list[dict], budget: int) -> list[list[dict]]:
     return groups
 
 
-def _rank_view(ctx: StageContext, rank: int):
-    """ctx as rank `rank` sees it, for computing another rank's share."""
-    return SimpleNamespace(cfg=ctx.cfg, iteration=ctx.iteration, rank=rank, world_size=ctx.world_size)
+def micro_batches_by_rank(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[list[dict | None]]]:
+    """Every rank's micro-batches (index: rank), the same count on every rank (a rank that ran out
+    would hang the others).
 
-
-def rank_micro_batches(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[dict | None]]:
-    """This rank's micro-batches, the same count on every rank (a rank that ran out would hang the others).
-
-    Rows are shuffled per epoch (seeded), padded with None up to whole global batches, and dealt
-    round-robin; None rows carry no tokens and no loss.
+    Rows are shuffled per epoch (seeded: the same on every rank, so once serves them all), padded
+    with None up to whole global batches, and dealt round-robin; None rows carry no tokens and no loss.
     """
     t = ctx.cfg.train
-    out = []
+    out: list[list] = [[] for _ in range(ctx.world_size)]
     for epoch in range(t.epochs):
         order = list(rows)
         random.Random(f"{ctx.cfg.seed}:{ctx.iteration}:{epoch}").shuffle(order)
         padded = order + [None] * (-len(order) % global_batch)
-        mine = padded[ctx.rank::ctx.world_size]
-        out += [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
+        for rank in range(ctx.world_size):
+            mine = padded[rank::ctx.world_size]
+            out[rank] += [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
     return out
 
 
