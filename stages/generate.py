@@ -87,9 +87,10 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
     and figures on how they were sampled (the marker's `sampling`)."""
     if sampler is None and g.cache == "compact":
         t0 = time.time()
-        completions, stats = sample_compact(model, tokenizer, items, g, device)
+        prompt_ids = unpadded_prompt_ids(tokenizer, items)
+        completions, stats = sample_compact(model, tokenizer, prompt_ids, g, device)
         stats["sample_s"] = time.time() - t0
-        rows = completion_rows(tokenizer, items, g, unpadded_prompt_ids(tokenizer, items), completions)
+        rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
         t0 = time.time()
         add_logprobs(model, rows, g, device)
         stats["logprob_pass_s"] = time.time() - t0
@@ -106,11 +107,11 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
     return rows, {"calls": math.ceil(len(items) / per_call)}
 
 
-def sample_compact(model, tokenizer, items: list[dict], g, device) -> tuple[list, dict]:
-    """Completions through stages/common/decoding.py, as many sequences at once as fit."""
-    prompt_ids = unpadded_prompt_ids(tokenizer, items)
+def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> tuple[list, dict]:
+    """Completions of each prompt's g.attempts sequences through stages/common/decoding.py, as many
+    sequences at once as fit."""
     length = decoding.buffer_length(max(len(p) for p in prompt_ids), g.max_new_tokens)
-    n_seq = len(items) * g.attempts
+    n_seq = len(prompt_ids) * g.attempts
     fit = decoding.rows_that_fit(model, length, g.memory_fraction)
     cap = min(n_seq, g.batch_size or n_seq, fit)
     if cap < g.attempts:
@@ -119,7 +120,7 @@ def sample_compact(model, tokenizer, items: list[dict], g, device) -> tuple[list
                            f"generate.max_new_tokens or generate.attempts, or raise generate.memory_fraction")
     # As few calls as fit, of equal size: a last, small call would pay a whole tail of decode steps.
     calls = math.ceil(n_seq / cap)
-    rows = math.ceil(len(items) / calls) * g.attempts
+    rows = math.ceil(len(prompt_ids) / calls) * g.attempts
     decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=g.cuda_graphs)
     log.info("compact decoding: %d sequences in %d call(s) of up to %d rows x %d positions (KV buffer %.2f GiB)",
              n_seq, calls, rows, length, decoder.cache.nbytes() / 2**30)
@@ -136,14 +137,11 @@ def sample_compact(model, tokenizer, items: list[dict], g, device) -> tuple[list
 
 @torch.no_grad()
 def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -> list[dict]:
-    """Rows for `items` x g.attempts samples in one generate call; `sampler` (a VllmSampler) samples
-    in place of HF."""
+    """Rows for `items` x g.attempts samples in one call of HF generate (generate.cache static or
+    dynamic), or of `sampler` (a VllmSampler) in its place; the compact cache goes through sample_rows."""
     if sampler is not None:
         prompt_ids = unpadded_prompt_ids(tokenizer, items)
         completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
-    elif g.cache == "compact":
-        prompt_ids = unpadded_prompt_ids(tokenizer, items)
-        completions, _ = sample_compact(model, tokenizer, items, g, device)
     else:
         prompt_ids, completions = sample_generate(model, tokenizer, items, g, device)
     rows = completion_rows(tokenizer, items, g, prompt_ids, completions)

@@ -9,7 +9,7 @@ import torch
 from stages.common.config import GenerateConfig
 from stages.common.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.common.tiny_model import create_base_model
-from stages.generate import sample_batch, sample_seed
+from stages.generate import sample_rows, sample_seed
 from stages.common.batches import collate, sequence_logprobs
 
 
@@ -26,7 +26,7 @@ ITEMS = [{"prompt_id": f"0-{i}", "problem_index": i, "question": q, "answer": f"
 def sample(policy, seed, g):
     model, tok = policy
     torch.manual_seed(seed)
-    return sample_batch(model, tok, ITEMS, g, torch.device("cpu"))
+    return sample_rows(model, tok, ITEMS, g, torch.device("cpu"))[0]  # rows; the stage's own call
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "compact"])
