@@ -61,12 +61,9 @@ class StageFailed(RuntimeError):
 
 
 def prepare_run(cfg: RunConfig) -> RunPaths:
-    """Freeze the config into the run dir (refusing a semantic change on resume) and create the base model."""
-    resolve_paths(cfg)
+    """Freeze the config into the run dir (refusing a semantic change on resume) and create the base
+    model. Called holding the run's lock (run_lock), which resolved the paths and made the run dir."""
     paths = RunPaths(cfg.run_dir)
-    if paths.root.exists() and not paths.root.is_dir():
-        raise ConfigError(f"run_dir {paths.root} exists and is not a directory: choose another run_dir")
-    paths.root.mkdir(parents=True, exist_ok=True)
     if paths.config.is_file():
         frozen = load_config(paths.config)
         if config_hash(frozen) != config_hash(cfg):
@@ -125,13 +122,12 @@ class Coordinator:
     @contextlib.contextmanager
     def _locked(self):
         """One coordinator per run dir; SIGTERM (scancel, time limit) unwinds so launches are stopped."""
-        # The lock taken before the run dir was prepared is reentrant: acquiring it again only counts.
-        lock = self._lock or filelock.FileLock(self.paths.lock)
-        try:
+        if self._lock is not None:
+            # Taken before the run dir was prepared; reentrant: acquiring it again only counts.
+            lock = self._lock
             lock.acquire(timeout=0)
-        except filelock.Timeout:
-            raise ConfigError(f"another coordinator is running on {self.paths.root} "
-                              f"(lock {self.paths.lock} is held); wait for it or stop it first") from None
+        else:
+            lock = run_lock(self.cfg)
         previous = signal.signal(signal.SIGTERM, _terminate)
         try:
             yield
