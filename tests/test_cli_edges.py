@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_e2e_local import SMALL, syncrl
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["start_early=always", "data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16"]
-
-
-def syncrl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")

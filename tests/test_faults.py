@@ -45,6 +45,17 @@ def no_half_files(run_dir: Path) -> None:
     assert not temps, f"half-written files left: {temps}"
 
 
+def rerun_under_file_limit(run_dir: Path, iteration: int, stage: str, kib: int = 64):
+    """`syncrl rerun` of one stage under `ulimit -f` (every file of its processes capped at `kib` KiB)."""
+    return subprocess.run(["bash", "-c", f'ulimit -f {kib} && exec "$@"', "_", sys.executable, "-m", "jobs.cli",
+                           "rerun", str(run_dir), "--iteration", str(iteration), "--stage", stage, "--launcher",
+                           "local"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def tree_bytes(root: Path) -> dict:
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
 def final_weights(run_dir: Path) -> bytes:
     return (run_dir / "models" / "iter_00000" / "model.safetensors").read_bytes()
 
@@ -224,9 +235,7 @@ def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
     published = model.read_bytes()
     # Save iteration 1 again under a 64 KiB file-size limit: the 280 KB export cannot be written.
     t0 = time.time()
-    limited = subprocess.run(["bash", "-c", 'ulimit -f 64 && exec "$@"', "_", sys.executable, "-m", "jobs.cli",
-                              "rerun", str(run_dir), "--iteration", "1", "--stage", "save", "--launcher", "local"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    limited = rerun_under_file_limit(run_dir, 1, "save")
     detect = time.time() - t0
     assert limited.returncode == 1, limited.stderr[-3000:]
     assert "iteration 1 save attempt 2 failed" in limited.stderr
@@ -256,18 +265,16 @@ def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(tmp
            *SMALL_RUN, "save.keep_checkpoints=2", "--launcher", "local"]
     assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
     ckpt = run_dir / "checkpoints" / "iter_00001"
-    published = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    published = tree_bytes(ckpt)
     weights = (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes()
     # Train iteration 1 again under a 64 KiB file-size limit: its shards (~0.4 MB each) cannot be written.
     t0 = time.time()
-    limited = subprocess.run(["bash", "-c", 'ulimit -f 64 && exec "$@"', "_", sys.executable, "-m", "jobs.cli",
-                              "rerun", str(run_dir), "--iteration", "1", "--stage", "train", "--launcher", "local"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    limited = rerun_under_file_limit(run_dir, 1, "train")
     detect = time.time() - t0
     assert limited.returncode == 1, limited.stderr[-3000:]
     assert "iteration 1 train attempt 2 failed" in limited.stderr, limited.stderr[-3000:]
     # The published checkpoint is whole and unchanged; the partial write stayed in its staging directory.
-    assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == published
+    assert tree_bytes(ckpt) == published
     assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")] == [".iter_00001.tmp"]
     # With space again, the same run command redoes train, to a bit-identical checkpoint: save's
     # inputs are unchanged, so its export stands. Nothing half-written is left.
@@ -275,7 +282,7 @@ def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(tmp
     assert again.returncode == 0, again.stderr[-3000:]
     recover = time.time() - t0
     assert "iteration 1 train    launching" in again.stderr and "iteration 1 save     already done" in again.stderr
-    assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == published
+    assert tree_bytes(ckpt) == published
     assert (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes() == weights
     no_half_files(run_dir)
     report("disk full while train writes its checkpoint", detect, recover)
