@@ -322,18 +322,30 @@ def optimizer_steps(rows: list[dict], ctx: StageContext) -> list[OptimizerStep]:
     return steps
 
 
+# What one more micro-batch costs, in padded positions: a forward and backward of every layer,
+# however few rows it holds. On 1 H200 (small-llama, eager) a step of 32 rows padded to 576
+# positions took ~310 ms, a micro-batch's fixed part ~30 ms of it.
+MICRO_BATCH_POSITIONS = 2048
+
+
 def token_budget_groups(rows: list[dict], budget: int) -> list[list[dict]]:
-    """Rows grouped longest first into micro-batches of at most `budget` padded positions each."""
+    """Rows grouped into micro-batches of at most `budget` padded positions each (a longer row runs
+    alone), the grouping that costs least: padded positions, plus MICRO_BATCH_POSITIONS for every
+    micro-batch. Rows are sorted longest first and each group is a run of that order, padded to its
+    first row's length; the best cut points are found exactly (dynamic programming over the runs).
+    """
     order = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]), reverse=True)
-    groups: list[list[dict]] = []
-    width = 0
-    for r in order:
-        n = len(r["prompt_ids"]) + len(r["completion_ids"])
-        if groups and (len(groups[-1]) + 1) * width <= budget:
-            groups[-1].append(r)  # sorted longest first: the group's width stays its first row's
-        else:
-            groups.append([r])
-            width = n
+    widths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in order]
+    n = len(order)
+    cost, cut = [0] * (n + 1), [n] * (n + 1)  # cost[i]: the least cost of grouping order[i:]
+    for i in range(n - 1, -1, -1):
+        fit = max(1, budget // widths[i])  # rows a group starting at i may hold
+        cost[i], cut[i] = min((MICRO_BATCH_POSITIONS + (j - i) * widths[i] + cost[j], j)
+                              for j in range(i + 1, min(n, i + fit) + 1))
+    groups, i = [], 0
+    while i < n:
+        groups.append(order[i:cut[i]])
+        i = cut[i]
     return groups
 
 

@@ -6,7 +6,9 @@ those hold the whole step in one micro-batch (the step's token mean). Real DeepS
 ZeRO-3, gloo on CPU), real train code (tests/workers/step_gradients.py).
 """
 
+import itertools
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from stages.common.tiny_model import create_base_model
-from stages.train import token_budget_groups
+from stages.train import MICRO_BATCH_POSITIONS, token_budget_groups
 from tests.workers.step_gradients import train_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,3 +83,33 @@ def test_groups_fill_the_budget_longest_first():
     assert [length(g[0]) for g in groups] == sorted((length(g[0]) for g in groups), reverse=True)
     # A row longer than the budget runs alone.
     assert token_budget_groups(rows[:3], 1) == [[r] for r in sorted(rows[:3], key=length, reverse=True)]
+
+
+def grouping_cost(groups) -> int:
+    width = lambda r: len(r["prompt_ids"]) + len(r["completion_ids"])  # noqa: E731
+    return sum(MICRO_BATCH_POSITIONS + len(g) * max(map(width, g)) for g in groups)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_groups_are_the_cheapest_runs_of_the_length_order(seed):
+    """Against every way of cutting the longest-first order into runs that respect the budget."""
+    rng = random.Random(seed)
+    rows = [{"prompt_ids": [1] * 64, "completion_ids": [2] * rng.choice([rng.randint(1, 200), 512])}
+            for _ in range(10)]
+    budget = rng.choice([1200, 3000, 8192])
+    order = sorted(rows, key=lambda r: len(r["completion_ids"]), reverse=True)
+    best = None
+    for cuts in itertools.product((False, True), repeat=len(order) - 1):
+        groups, start = [], 0
+        for i, cut in enumerate(cuts, 1):
+            if cut:
+                groups.append(order[start:i])
+                start = i
+        groups.append(order[start:])
+        if all(len(g) == 1 or len(g) * (64 + len(g[0]["completion_ids"])) <= budget for g in groups):
+            best = min(best or grouping_cost(groups), grouping_cost(groups))
+    groups = token_budget_groups(rows, budget)
+    assert grouping_cost(groups) == best
+    # Mostly short rows and a few long ones: the long ones go alone rather than pad the rest.
+    mixed = [{"prompt_ids": [1] * 64, "completion_ids": [2] * n} for n in [512] * 3 + [120] * 29]
+    assert [len(g) for g in token_budget_groups(mixed, 16384)] == [3, 29]

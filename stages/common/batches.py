@@ -8,8 +8,16 @@ at 1 up to kernel numerics.
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages.common.modeling import token_logprobs
+
+# SDPA backends for these passes: every backend but cuDNN's. cuDNN builds an execution plan for each
+# new (rows, width) shape, tens to hundreds of ms each, and these passes see a new shape at almost
+# every micro-batch (rows grouped by length). Flash attention needs no plan. On 1 H200 the
+# token-budget micro-batches took 36.6 s per iteration with cuDNN against 17.2 s for fixed ones that
+# were nearly all one shape (docs/benchmarks.md).
+PASS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Per forward pass when generate scores its completions: logit elements (2^30: 2 GB of bf16 logits)
 # and positions (2^17: the MLP activations of a 0.5B model stay near 1 GB; with a small vocabulary
@@ -55,7 +63,8 @@ def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     attention mask would change only the padding's own outputs, which the loss masks out. Leaving it
     out lets SDPA run its fused causal kernel instead of a masked one.
     """
-    logits = model(input_ids=batch["input_ids"]).logits
+    with sdpa_kernel(PASS_BACKENDS):
+        logits = model(input_ids=batch["input_ids"]).logits
     return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
 
 

@@ -153,7 +153,9 @@ class TrainConfig:
     # of each micro-batch's token mean. > 0: the same rows are grouped by length into micro-batches
     # whose padded size (rows x longest row) stays within this many positions (a longer row runs
     # alone), every rank running as many as the busiest, and the loss is the token mean over the
-    # whole optimizer step on all ranks, whatever the grouping.
+    # whole optimizer step on all ranks, whatever the grouping. On the reference workload (1 H200,
+    # 32-row steps) it halved the padded positions but not the update time, which a micro-batch's
+    # fixed cost dominates there (docs/benchmarks.md); steps of many more rows may differ (not measured).
     max_tokens_per_micro_batch: int = 0
     epochs: int = 1
     clip_eps: float = 0.2
