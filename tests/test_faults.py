@@ -345,6 +345,49 @@ def test_disk_full_during_train_is_recorded_as_a_failure(small_disk):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_rerun_on_two_nodes_acts_on_the_copy_it_is_given(reference_run, tmp_path):
+    """A copy of a finished run, its score stage rerun through slurm/rerun_stage.sbatch (srun over both
+    nodes): the copy's score is redone to the same results, and nothing of the original changes."""
+    before = {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")}
+    copy = tmp_path / "copy"
+    shutil.copytree(reference_run, copy)
+    marker = copy / "iter_00000" / "markers" / "score.done"
+    copied = marker.stat().st_mtime_ns
+    job = sbatch(tmp_path, "slurm/rerun_stage.sbatch", str(copy), "0", "score")
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the rerun job") == "COMPLETED", job_log(tmp_path, job)
+    assert marker.stat().st_mtime_ns != copied
+    assert (copy / "logs" / "iter_00000" / "score" / "attempt_2").is_dir()
+    for rank in (0, 1):
+        name = f"iter_00000/score/rank_{rank:05d}.jsonl"
+        assert (copy / name).read_bytes() == (reference_run / name).read_bytes(), name
+    assert {p: p.stat().st_mtime_ns for p in reference_run.rglob("*")} == before  # the original is untouched
+    no_half_files(copy)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_disk_full_during_train_on_two_nodes_is_recorded_as_a_failure(slurm_cluster, small_disk, tmp_path):
+    """The run dir on a 1.2 MB filesystem, run by slurm/rl_2node.sbatch: train's ranks on n1 and n2
+    hit ENOSPC writing the checkpoint. The job fails with the stage, the ranks and the resume hint in
+    its log, status says train failed, and every stage before it stays done."""
+    run_dir = small_disk(1200) / "run"
+    t0 = time.time()
+    job = sbatch_run(tmp_path, run_dir, "retry.attempts=1")
+    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to stop")
+    detect = time.time() - t0
+    log = job_log(tmp_path, job)
+    assert state == "FAILED", log[-3000:]
+    assert "iteration 0 train attempt" in log and "failed on rank(s)" in log, log[-3000:]
+    assert "run the same command again" in log, log[-3000:]
+    assert "Traceback (most recent call last)" not in log.split("coordinator")[-1], log[-3000:]
+    status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
+    assert re.search(r"0  train\s+failed", status), status
+    assert re.search(r"0  gather\s+done", status), status
+    report("disk full during train (2 nodes)", detect, None)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_node_lost_during_a_step(reference_run, tmp_path):
     """n2's slurmd and every process on it die mid-train; the job ends NODE_FAIL, requeues, waits for
     the node, and resumes at train once n2 is back."""
