@@ -103,7 +103,6 @@ def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node
     paths = RunPaths(run_dir)
     iteration, stage, attempt = select(paths, iteration, stage, attempt)
     log_dir = paths.logs(iteration, stage, attempt)
-    print(f"== {log_dir} (iteration {iteration}, stage {stage}, attempt {attempt})", file=out, flush=True)
     logs: dict[int, RankLog] = {}
 
     def poll() -> list[tuple[float, int, str]]:
@@ -122,6 +121,7 @@ def tail(run_dir: str, iteration=None, stage=None, attempt=None, rank=None, node
 
     batch = poll()
     check_selection(log_dir, logs, rank, node, follow and _running(paths, iteration, stage, attempt))
+    print(f"== {log_dir} (iteration {iteration}, stage {stage}, attempt {attempt})", file=out, flush=True)
     if lines:
         batch = batch[-lines:]
     _emit(batch, out)
