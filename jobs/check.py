@@ -17,8 +17,10 @@ import subprocess
 from pathlib import Path
 
 from jobs.launchers import group_problem, launcher_kind
-from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, load_config, to_dict
+from stages.common.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
+                                  to_dict)
 from stages.common.data import read_jsonl_problems
+from stages.common.dist import allocation
 from stages.common.paths import RunPaths
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +95,9 @@ def world_size(cfg: RunConfig, launcher: str, env) -> int:
 
 def _allocation_nodes(env) -> int | None:
     """Nodes of the SLURM allocation this runs in; None outside one."""
-    if not env.get("SLURM_JOB_ID"):
+    if not allocation("job_id", env):
         return None
-    return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    return int(allocation("num_nodes", env) or 1)
 
 
 def _check_run_dir(cfg: RunConfig) -> list[str]:
@@ -105,23 +107,30 @@ def _check_run_dir(cfg: RunConfig) -> list[str]:
     parent = next((p for p in [root, *root.parents] if p.exists()), None)
     if parent is not None and not os.access(parent, os.W_OK):
         return [f"run_dir {root}: {parent} is not writable: choose a run_dir you can write to"]
-    frozen = RunPaths(root).config
-    if not frozen.is_file():
-        return []
-    try:
-        old = load_config(frozen)
-    except ConfigError as e:
-        return [f"{frozen} (the run's frozen config) does not load: {e}; restore it or use a new run_dir"]
     new = copy.deepcopy(cfg)
     try:
         resolve_paths(new)
     except ConfigError:
         return []  # the missing path is reported by its own check
-    if config_hash(old) != config_hash(new):
-        diff = "; ".join(config_diff(to_dict(old), to_dict(new)))
-        return [f"run_dir {root} holds a run started with a different config ({diff}): resume with the "
-                f"same settings, or start a new run with another run_dir"]
-    return []
+    problem = frozen_config_problem(new)
+    return [problem] if problem else []
+
+
+def frozen_config_problem(cfg: RunConfig) -> str | None:
+    """Why `cfg` (its paths resolved) may not run in its run dir: the config frozen there at the run's
+    start does not load, or differs in a setting that changes results. None for a new run."""
+    frozen = RunPaths(cfg.run_dir).config
+    if not frozen.is_file():
+        return None
+    try:
+        old = load_config(frozen)
+    except ConfigError as e:
+        return f"{frozen} (the run's frozen config) does not load: {e}; restore it or use a new run_dir"
+    if config_hash(old) != config_hash(cfg):
+        diff = "; ".join(config_diff(to_dict(old), to_dict(cfg)))
+        return (f"run_dir {cfg.run_dir} holds a run started with a different config ({diff}): resume with the "
+                f"same settings, or start a new run with another run_dir")
+    return None
 
 
 def resolve_paths(cfg: RunConfig) -> None:
@@ -216,10 +225,8 @@ def deepspeed_key_problems(ds: dict, cfg: RunConfig) -> list[str]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from deepspeed.runtime.config import DeepSpeedConfig
 
-    t = cfg.train
-    full = {**ds, "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps,
-            "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps}
+    # World size 1: outside a process group DeepSpeed checks train_batch_size against one rank.
+    full = {**ds, **deepspeed_derived(cfg.train, world_size=1)}
     tracked = _TrackingDict(full)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -275,12 +282,12 @@ def _check_resources(cfg: RunConfig, launcher: str, env) -> list[str]:
         if s.nodes > nodes:
             problems.append(f"slurm.nodes ({s.nodes}) exceeds the allocation's {nodes} nodes: "
                             f"sbatch --nodes={s.nodes}, or lower slurm.nodes")
-        cpus = first_int(env.get("SLURM_CPUS_ON_NODE"))
+        cpus = first_int(allocation("cpus_on_node", env))
         need = s.tasks_per_node * max(s.cpus_per_task, 1)
         if cpus and need > cpus:
             problems.append(f"slurm.tasks_per_node x cpus_per_task ({need}) exceeds the {cpus} CPUs per node of "
                             "this allocation: lower them or ask for bigger nodes")
-        gpus = first_int(env.get("SLURM_GPUS_ON_NODE"))
+        gpus = first_int(allocation("gpus_on_node", env))
         if gpus is not None and s.gpus_per_task * s.tasks_per_node > gpus:
             problems.append(f"slurm.tasks_per_node x gpus_per_task ({s.gpus_per_task * s.tasks_per_node}) exceeds "
                             f"the {gpus} GPUs per node of this allocation")

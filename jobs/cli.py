@@ -112,37 +112,19 @@ def cmd_check(args) -> int:
     return 2 if problems else 0
 
 
-def _checked_config(args, launcher: str):
-    """The config, or ConfigError listing every problem `syncrl check` finds."""
-    from jobs.check import check
-
-    cfg = load_config(args.config, args.overrides)
-    problems = check(cfg, launcher)
-    if problems:
-        raise ConfigError("\n".join(problems) if len(problems) == 1 else
-                          f"{len(problems)} problems:\n  " + "\n  ".join(problems))
-    return cfg
-
-
 def cmd_run(args) -> int:
-    from jobs.coordinator import prepare_run, run_lock, setup_coordinator_logging
+    from jobs.coordinator import run, setup_coordinator_logging
 
     setup_coordinator_logging()
-    cfg = _checked_config(args, args.launcher)
-    lock = run_lock(cfg)
-    try:
-        prepare_run(cfg)
-        return _coordinate(cfg, args.launcher, lambda c: c.run(), lock)
-    finally:
-        lock.release(force=True)
+    return run(args.config, args.overrides, args.launcher)
 
 
 def cmd_submit(args) -> int:
-    from jobs.coordinator import prepare_run, run_lock, setup_coordinator_logging
+    from jobs.coordinator import checked_config, prepare_run, run_lock, setup_coordinator_logging
     from jobs.submit import print_submitted, submit
 
     setup_coordinator_logging()
-    cfg = _checked_config(args, "srun")
+    cfg = checked_config(args.config, args.overrides, "srun")
     lock = run_lock(cfg)  # held while the run dir is prepared; the submitted job takes its own
     try:
         prepare_run(cfg)
@@ -163,7 +145,7 @@ def cmd_tail(args) -> int:
 
 
 def cmd_rerun(args) -> int:
-    from jobs.coordinator import setup_coordinator_logging
+    from jobs.coordinator import coordinate, setup_coordinator_logging
     from stages.common.paths import RunPaths
 
     setup_coordinator_logging()
@@ -179,26 +161,7 @@ def cmd_rerun(args) -> int:
                           f"(iterations={cfg.iterations} in {paths.config}; started: "
                           f"{', '.join(map(str, present)) or 'none'}); to add iterations, syncrl run it with "
                           f"iterations=N")
-    return _coordinate(cfg, args.launcher, lambda c: c.rerun(args.iteration, args.stage))
-
-
-def _coordinate(cfg, launcher_kind: str, action, lock=None) -> int:
-    """Run `action(coordinator)`; a stage failure or an interrupt becomes an exit status and a hint."""
-    from jobs.coordinator import Coordinator, StageFailed
-    from jobs.launchers import make_launcher
-
-    launcher = make_launcher(launcher_kind, cfg)
-    log.info("launcher %s: %d task(s) per multi-rank stage on %s", launcher.name, launcher.ntasks("train"),
-             ",".join(launcher.nodes()))
-    try:
-        action(Coordinator(cfg, launcher, lock))
-    except StageFailed as e:
-        log.error("stopped: %s\nFix the cause, then run the same command again: completed stages are kept.", e)
-        return 1
-    except KeyboardInterrupt:
-        log.error("interrupted; run the same command again to resume (completed stages are kept)")
-        return 130
-    return 0
+    return coordinate(cfg, args.launcher, lambda c: c.rerun(args.iteration, args.stage))
 
 
 def cmd_status(args) -> int:
@@ -217,7 +180,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_init_model(args) -> int:
-    from stages.common.tiny_model import create_base_model
+    from jobs.base_model import create_base_model
 
     out = create_base_model(args.out_dir, args.preset, args.seed)
     print(f"wrote {args.preset} base model to {out}")

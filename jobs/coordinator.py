@@ -20,10 +20,12 @@ from pathlib import Path
 
 import filelock
 
-from jobs.check import first_int, resolve_paths
+from jobs.base_model import create_base_model
+from jobs.check import check, first_int, frozen_config_problem, resolve_paths
 from jobs.metrics import MetricsLog
-from stages.common import markers
-from stages.common.config import ConfigError, RunConfig, config_diff, config_hash, dump_config, load_config, to_dict
+from stages.common import markers, pipeline
+from stages.common.config import ConfigError, RunConfig, config_hash, dump_config, load_config
+from stages.common.dist import allocation
 from stages.common import retry as policies
 from stages.common.paths import STAGES, RunPaths
 from stages.common.stage import base_model_id
@@ -31,18 +33,6 @@ from stages.common.stage import base_model_id
 log = logging.getLogger("syncrl.coordinator")
 
 LOG_TAIL_LINES = 15
-
-# Started early, when the key stage starts: (iterations ahead, stage, the stage whose marker it waits
-# for, iterations ahead of that). Score and gather start in well under a second: not worth it.
-# Train starts as soon as the previous train has ended (at save), so that its imports and start-up
-# have save, generate, score and gather to hide behind, not generate alone (on the 0.48B GPU
-# config generate took 10 s, train's imports 11-16 s beside it); in iteration 0, at generate.
-START_EARLY = {
-    "generate": [(0, "train", "gather", 0)],
-    "train": [(0, "save", "train", 0), (1, "generate", "save", 0)],
-    "save": [(1, "train", "gather", 1)],
-}
-
 
 # Size of a stage's state file (JSON padded with spaces): room to rewrite it in place on a full disk.
 STATE_FILE_BYTES = 1024
@@ -64,17 +54,11 @@ def prepare_run(cfg: RunConfig) -> RunPaths:
     """Freeze the config into the run dir (refusing a semantic change on resume) and create the base
     model. Called holding the run's lock (run_lock), which resolved the paths and made the run dir."""
     paths = RunPaths(cfg.run_dir)
-    if paths.config.is_file():
-        frozen = load_config(paths.config)
-        if config_hash(frozen) != config_hash(cfg):
-            diff = "; ".join(config_diff(to_dict(frozen), to_dict(cfg)))
-            raise ConfigError(
-                f"{paths.config}: the config differs from the one this run started with ({diff}). "
-                f"Resume with the same settings, or start a new run with another run_dir")
+    problem = frozen_config_problem(cfg)  # checked again here, under the lock: another run may have begun
+    if problem:
+        raise ConfigError(problem)
     markers.write_text_atomic(paths.config, dump_config(cfg))
     if not cfg.model.path and not paths.base_model.is_dir():
-        from stages.common.tiny_model import create_base_model
-
         log.info("creating the built-in %s base model in %s", cfg.model.preset, paths.base_model)
         create_base_model(paths.base_model, cfg.model.preset, cfg.seed)
     return paths
@@ -211,21 +195,23 @@ class Coordinator:
         mode = self.cfg.start_early
         if mode == "auto":
             per_node = self.launcher.ntasks("train") // max(1, len(self.launcher.nodes()))
-            cores = first_int(os.environ.get("SLURM_CPUS_ON_NODE")) or len(os.sched_getaffinity(0))
+            cores = first_int(allocation("cpus_on_node")) or len(os.sched_getaffinity(0))
             mode = "always" if cores >= 3 * per_node else "never"
             log.info("start_early=auto: %s (%d CPU cores per node, %d ranks per node)",
                      "starting stages early" if mode == "always" else "not starting stages early", cores, per_node)
         return mode == "always"
 
     def _start_successors_early(self, it: int, stage: str) -> None:
-        """Start the stages that can load while this one runs (START_EARLY); each waits for its turn.
+        """Start the stages that can load while this one runs (the stage table's starts_early); each
+        waits for its turn.
 
         Only where neither the stage nor the marker it waits for exists yet: a leftover marker of an
         earlier run could otherwise start it before its inputs are redone.
         """
         if not self.start_early:
             return
-        for ahead, nxt, after, after_ahead in START_EARLY.get(stage, []):
+        for early in pipeline.stage(stage).starts_early:
+            ahead, nxt, after, after_ahead = early.ahead, early.stage, early.after, early.after_ahead
             it2 = it + ahead
             if it2 >= self.cfg.iterations or (it2, nxt) in self.early:
                 continue
@@ -333,6 +319,45 @@ class Coordinator:
                 head = f"--- rank {r} (exit {code}) {p}"
             parts.append(head + "\n" + "\n".join(line.rstrip("\n") for line in lines))
         return "\n".join(parts)
+
+
+def checked_config(config, overrides, launcher: str) -> RunConfig:
+    """The config, or ConfigError listing every problem `syncrl check` finds."""
+    cfg = load_config(config, overrides)
+    problems = check(cfg, launcher)
+    if problems:
+        raise ConfigError("\n".join(problems) if len(problems) == 1 else
+                          f"{len(problems)} problems:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def run(config, overrides, launcher: str) -> int:
+    """`syncrl run`: check the config, take the run's lock, freeze the config and run (or resume)."""
+    cfg = checked_config(config, overrides, launcher)
+    lock = run_lock(cfg)
+    try:
+        prepare_run(cfg)
+        return coordinate(cfg, launcher, lambda c: c.run(), lock)
+    finally:
+        lock.release(force=True)
+
+
+def coordinate(cfg, launcher_kind: str, action, lock=None) -> int:
+    """Run `action(coordinator)`; a stage failure or an interrupt becomes an exit status and a hint."""
+    from jobs.launchers import make_launcher
+
+    launcher = make_launcher(launcher_kind, cfg)
+    log.info("launcher %s: %d task(s) per multi-rank stage on %s", launcher.name, launcher.ntasks("train"),
+             ",".join(launcher.nodes()))
+    try:
+        action(Coordinator(cfg, launcher, lock))
+    except StageFailed as e:
+        log.error("stopped: %s\nFix the cause, then run the same command again: completed stages are kept.", e)
+        return 1
+    except KeyboardInterrupt:
+        log.error("interrupted; run the same command again to resume (completed stages are kept)")
+        return 130
+    return 0
 
 
 def _read_failure_record(paths: RunPaths, it: int, stage: str, rank: int, attempt: int) -> dict | None:

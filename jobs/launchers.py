@@ -19,7 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from stages.common.paths import MULTI_RANK_STAGES, RunPaths
+from stages.common.dist import allocation, slurm_job_id
+from stages.common.paths import RunPaths
+from stages.common.pipeline import GROUPED_STAGES, MULTI_RANK_STAGES
 from stages.common.stage import ATTEMPT_VAR
 
 log = logging.getLogger("syncrl.launch")
@@ -49,10 +51,6 @@ class LaunchResult:
         if not self.per_rank_codes:
             return []
         return sorted(r for r, c in self.returncodes.items() if c != 0)
-
-
-# Stages that run one task per generate.gpus_per_process GPUs (score scores generate's shards one to one).
-GROUPED_STAGES = ("generate", "score")
 
 
 def group_size(stage: str, generate_group: int) -> int:
@@ -216,8 +214,6 @@ class SrunLauncher:
     name = "srun"
 
     def __init__(self, slurm_cfg, env: dict | None = None, generate_group: int = 1):
-        from stages.common.dist import slurm_job_id
-
         env = os.environ if env is None else env
         if slurm_cfg.tasks_per_node % generate_group:
             raise ValueError(group_problem("slurm.tasks_per_node", slurm_cfg.tasks_per_node, generate_group))
@@ -227,7 +223,7 @@ class SrunLauncher:
         if self.job_id is None:
             raise RuntimeError("SrunLauncher needs a SLURM allocation (SLURM_JOB_ID is not set): "
                                "run inside sbatch/salloc, or use `syncrl submit`")
-        self.hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+        self.hosts = expand_nodelist(allocation("nodelist", env) or "")
         self.num_nodes = min(self.cfg.nodes or len(self.hosts), len(self.hosts))
 
     def tasks_per_node(self, stage: str) -> int:
@@ -378,7 +374,7 @@ def launcher_kind(kind: str, env=None) -> str:
     """`auto` means srun inside a SLURM allocation (SLURM_JOB_ID set and srun on PATH), else local."""
     env = os.environ if env is None else env
     if kind == "auto":
-        return "srun" if env.get("SLURM_JOB_ID") and shutil.which("srun") else "local"
+        return "srun" if allocation("job_id", env) and shutil.which("srun") else "local"
     return kind
 
 

@@ -27,9 +27,14 @@ class CoordinatorJob(submitit.helpers.Checkpointable):
         self.run_dir = run_dir
 
     def __call__(self) -> str:
-        from jobs.cli import main
+        from jobs.coordinator import run, setup_coordinator_logging
+        from stages.common.config import ConfigError
 
-        code = main(["run", "--launcher", "srun", str(Path(self.run_dir) / "config.yaml")])
+        setup_coordinator_logging()
+        try:
+            code = run(str(Path(self.run_dir) / "config.yaml"), [], "srun")
+        except ConfigError as e:  # one message, not a traceback, in the job log
+            raise RuntimeError(f"syncrl run refused the run: {e}") from None
         if code != 0:
             raise RuntimeError(f"syncrl run exited with {code}: see the job log and {self.run_dir}/logs "
                                f"(syncrl status {self.run_dir})")

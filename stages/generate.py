@@ -7,6 +7,10 @@ finished sequence, the same pass train runs (stages/common/batches.py), rather t
 of every decoding step: keeping those would cost batch x new tokens x vocabulary floats (67 GB for
 256 sequences x 512 tokens with a 128k vocabulary). With top_p < 1 the sampler draws from a
 truncated distribution; the recorded log-probs are still the policy's, which is what train recomputes.
+
+By hand (one process, rank 0 of 1; `RANK`/`WORLD_SIZE` or srun's variables set the layout):
+
+    python -m stages.generate --run-dir RUN_DIR --iteration I [key=value ...]
 """
 
 from __future__ import annotations

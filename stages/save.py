@@ -3,6 +3,10 @@
 No process group: one task reads the ZeRO shards from disk. The export is verified to load, then
 published by atomic rename, so generate never sees a half-written model. Old checkpoints are pruned
 per save.keep_checkpoints.
+
+By hand:
+
+    python -m stages.save --run-dir RUN_DIR --iteration I
 """
 
 from __future__ import annotations
@@ -28,10 +32,6 @@ def main(ctx: StageContext) -> None:
     """Export the trained policy as an HF model and prune old checkpoints."""
     paths, it = ctx.paths, ctx.iteration
     tag = paths.checkpoint_tag(it)
-    ckpt = paths.checkpoints / tag
-    if markers.read_marker(paths, it, "train") is None or not ckpt.is_dir():
-        raise FileNotFoundError(f"checkpoint {ckpt} or the train marker of iteration {it} is missing; rerun: "
-                                f"syncrl rerun {paths.root} --iteration {it} --stage train")
     # Deleting a checkpoint of several GB takes seconds and only needs this iteration's checkpoint to be
     # complete (train's marker says so): it runs beside the export instead of after it.
     with ThreadPoolExecutor(1, thread_name_prefix="prune") as pool:

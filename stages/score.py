@@ -2,6 +2,10 @@
 
 Reads iter_I/generate/rank_K.jsonl, writes iter_I/score/rank_K.jsonl (the same rows plus reward
 fields). CPU only; never imports torch, so it starts in a fraction of a second.
+
+By hand, for each rank K of generate (`RANK=K WORLD_SIZE=N` or under srun):
+
+    RANK=K WORLD_SIZE=N python -m stages.score --run-dir RUN_DIR --iteration I
 """
 
 from __future__ import annotations
@@ -20,12 +24,7 @@ log = logging.getLogger("syncrl.score")
 
 def main(ctx: StageContext) -> None:
     """Score this rank's completions."""
-    src = ctx.paths.shard(ctx.iteration, "generate", ctx.rank)
-    if not src.is_file():
-        raise FileNotFoundError(
-            f"generate shard {src.relative_to(ctx.paths.root)} missing; rerun: "
-            f"syncrl rerun {ctx.paths.root} --iteration {ctx.iteration} --stage generate")
-    rows = read_jsonl(src)
+    rows = read_jsonl(ctx.paths.shard(ctx.iteration, "generate", ctx.rank))
     for row in rows:
         row.update(reward_fields(row["completion"], row["answer"], row.get("truncated", False), ctx.cfg.score))
     out = ctx.paths.shard(ctx.iteration, "score", ctx.rank)

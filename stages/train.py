@@ -3,6 +3,10 @@
 Starts from the previous iteration's model and resumes optimizer state from its DeepSpeed
 checkpoint; writes checkpoints/iter_I. The process group lives for this step only: generation and
 scoring never hold an idle communicator that could time out.
+
+By hand, one process per rank (here 2 on one machine; under SLURM, srun sets the layout):
+
+    torchrun --nproc-per-node 2 -m stages.train --run-dir RUN_DIR --iteration I
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from stages.common import dist, flops, markers
 from stages.common.batches import collate, sequence_logprobs
+from stages.common.config import deepspeed_derived
 from stages.common.loss import ppo_clip_loss
 from stages.common.logs import Phases, Progress
 from stages.common.markers import read_jsonl, write_jsonl_atomic
@@ -30,86 +35,103 @@ from stages.common.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
 
-# DeepSpeed keys that syncrl derives from the run config, so batch sizes are stated once.
-DERIVED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                   "gradient_clipping")
-
-
 def main(ctx: StageContext) -> None:
     """PPO-clip update of the policy over this iteration's train set."""
-    phases = Phases(ctx.start)
-    import deepspeed
+    run = set_up(ctx)
+    t1 = time.time()
+    history, totals = run_updates(ctx, run.engine, run.ref, run.rows, run.device, run.watchdog)
+    finish(ctx, run, history, totals, time.time() - t1)
 
-    phases.done("import_deepspeed")
+
+@dataclass
+class TrainRun:
+    """What set-up builds and the updates and finish use."""
+    engine: object
+    ref: object
+    rows: list
+    device: object
+    watchdog: dist.ProgressWatchdog
+    phases: Phases
+    startup_s: float
+    hf_ds_config: object  # transformers holds it weakly while a ZeRO-3 model exists: kept for the stage
+
+
+def set_up(ctx: StageContext) -> TrainRun:
+    """Process group, models, DeepSpeed engine and resumed state, each start-up phase timed."""
     cfg, t = ctx.cfg, ctx.cfg.train
-    set_cpu_threads()
-    rows = read_train_set(ctx)
-    device = device_for(ctx.info.local_rank)
-    dist.export_torch_env(ctx.info)
-    dist.communication_env(ctx.attempt, t.socket_ifname)
-    watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
-    backend = dist.pick_backend(t.backend)
-    phases.done("read_train_set")
-    dist.init_process_group(ctx.info, backend, t.timeout_s)
-    watchdog.beat("load model")
-    _skip_cpu_inference_op(deepspeed)
-    # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(seconds=t.timeout_s))
-    phases.done("process_group")
-    ds_config = deepspeed_config(ctx)
-    # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
-    # partition it too (it runs outside the engine, so it must keep whole weights).
-    ref = load_reference(ctx, device) if t.kl_coef > 0 else None
-    # Transformers holds this weakly and consults it while the ZeRO-3 model exists: keep it for the stage.
-    hf_ds_config = _zero3_init_context(ds_config)
-    # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
-    model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    phases.done("load_models")
-    optimizer = None
-    if "optimizer" not in ds_config:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                      model_parameters=None if optimizer else model.parameters())
-    if t.compile != "eager":
-        ref = compile_models(engine, ref, t.compile)
-    phases.done("deepspeed_initialize")
-    watchdog.beat("resume optimizer state")
-    resume_optimizer(ctx, engine)
-    if ctx.rank == 0:
-        # A staging directory left by an attempt that died mid-write: nobody else writes it until the
-        # barrier below.
-        shutil.rmtree(ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration), ignore_errors=True)
-    phases.done("resume_checkpoint")
-    dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
-    phases.done("barrier")
+    phases = Phases(ctx.start)
+    with phases("import_deepspeed"):
+        import deepspeed
+    with phases("read_train_set"):
+        set_cpu_threads()
+        rows = read_train_set(ctx)
+        device = device_for(ctx.info.local_rank)
+        dist.export_torch_env(ctx.info)
+        dist.communication_env(ctx.attempt, t.socket_ifname)
+        watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
+        backend = dist.pick_backend(t.backend)
+    with phases("process_group"):
+        dist.init_process_group(ctx.info, backend, t.timeout_s)
+        watchdog.beat("load model")
+        _skip_cpu_inference_op(deepspeed)
+        # DeepSpeed adopts the group we made (our timeout, our rendezvous); ZeRO-3's zero.Init needs it.
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                   timeout=datetime.timedelta(seconds=t.timeout_s))
+    with phases("load_models"):
+        ds_config = deepspeed_config(ctx)
+        # The frozen reference is a full replica per rank, loaded before the ZeRO-3 context below would
+        # partition it too (it runs outside the engine, so it must keep whole weights).
+        ref = load_reference(ctx, device) if t.kl_coef > 0 else None
+        hf_ds_config = _zero3_init_context(ds_config)
+        # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
+        model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+    with phases("deepspeed_initialize"):
+        optimizer = None
+        if "optimizer" not in ds_config:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                          model_parameters=None if optimizer else model.parameters())
+        if t.compile != "eager":
+            ref = compile_models(engine, ref, t.compile)
+    with phases("resume_checkpoint"):
+        watchdog.beat("resume optimizer state")
+        resume_optimizer(ctx, engine)
+        if ctx.rank == 0:
+            # A staging directory left by an attempt that died mid-write: nobody else writes it until
+            # the barrier below.
+            shutil.rmtree(ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration),
+                          ignore_errors=True)
+    with phases("barrier"):
+        dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     watchdog.beat("train")
     startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
+    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config)
 
-    t1 = time.time()
-    history, totals = run_updates(ctx, engine, ref, rows, device, watchdog)
-    train_s = time.time() - t1
+
+def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, train_s: float) -> None:
+    """The checkpoint, the loss curve, the figures of all ranks and the marker."""
+    t = ctx.cfg.train
     tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
-    watchdog.beat("save checkpoint")
+    run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    write_checkpoint(ctx, engine)
-    watchdog.beat("finish")
+    write_checkpoint(ctx, run.engine)
+    run.watchdog.beat("finish")
     save_s = time.time() - t2
     outputs = []
     if ctx.rank == 0:
         curve = ctx.out_dir / "metrics.jsonl"
         write_jsonl_atomic(curve, history)
         outputs = [ctx.paths.checkpoints / tag, curve]
-    totals = _all_reduce_sums(totals, device)
+    totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
     summary = {
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
-        "model_flops": totals["flops"], "startup_s": startup_s, "startup_phases": phases.seconds,
+        "model_flops": totals["flops"], "startup_s": run.startup_s, "startup_phases": run.phases.seconds,
         "train_s": train_s, "checkpoint_s": save_s,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
@@ -121,8 +143,7 @@ def main(ctx: StageContext) -> None:
     # The checkpoint is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
-    watchdog.stop()
-    del hf_ds_config
+    run.watchdog.stop()
 
 
 def write_checkpoint(ctx: StageContext, engine) -> None:
@@ -168,24 +189,13 @@ def load_reference(ctx: StageContext, device):
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:
-    m = markers.read_marker(ctx.paths, ctx.iteration, "gather")
-    src = ctx.paths.stage_dir(ctx.iteration, "gather") / "train.jsonl"
-    if m is None or not src.is_file():
-        raise FileNotFoundError(f"{src.relative_to(ctx.paths.root)} or its gather marker is missing; rerun: "
-                                f"syncrl rerun {ctx.paths.root} --iteration {ctx.iteration} --stage gather")
-    return read_jsonl(src)
+    return read_jsonl(ctx.paths.stage_dir(ctx.iteration, "gather") / "train.jsonl")
 
 
 def deepspeed_config(ctx: StageContext) -> dict:
     t = ctx.cfg.train
     ds = json.loads(Path(t.deepspeed_config).read_text())
-    derived = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * ctx.world_size,
-        "gradient_clipping": t.max_grad_norm,
-    }
-    for key, value in derived.items():
+    for key, value in deepspeed_derived(t, ctx.world_size).items():
         if key in ds and ds[key] not in ("auto", value):
             log.warning("%s: %s=%s replaced by %s from the run config", t.deepspeed_config, key, ds[key], value)
         ds[key] = value

@@ -1,10 +1,6 @@
-"""The distributed runtime: env table, bounded barriers that name missing ranks."""
+"""The distributed runtime: the env table and the progress watchdog."""
 
-import threading
-
-import pytest
-
-from stages.common.dist import BarrierTimeout, dist_info, file_barrier
+from stages.common.dist import dist_info
 
 
 def test_env_table_slurm_and_torchrun_names():
@@ -17,27 +13,6 @@ def test_env_table_slurm_and_torchrun_names():
     assert (both.rank, both.world_size) == (3, 4)
     alone = dist_info({})
     assert (alone.rank, alone.world_size, alone.is_main) == (0, 1, True)
-
-
-def test_file_barrier_releases_all_and_names_missing(tmp_path):
-    errors = []
-
-    def arrive(rank):
-        try:
-            file_barrier(tmp_path, "it3.gather.attempt_1.done", rank, 3, timeout_s=10, poll_s=0.01)
-        except Exception as e:  # noqa: BLE001 - collected for the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=arrive, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    assert not errors
-    (tmp_path / "it3.gather.attempt_2.done.rank_00002").touch()  # rank 2 arrived earlier
-    with pytest.raises(BarrierTimeout, match="ranks 1,3 did not arrive within 0s"):
-        file_barrier(tmp_path, "it3.gather.attempt_2.done", 0, 4, timeout_s=0.2, poll_s=0.01)
-    file_barrier(tmp_path, "it3.gather.attempt_1.done", 2, 3, timeout_s=0)  # arrivals are never deleted
 
 
 def test_progress_watchdog_ends_a_stuck_process(tmp_path):

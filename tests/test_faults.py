@@ -3,7 +3,7 @@
 Each case injects a fault, then checks that the run either finishes with the same results as an
 undisturbed run of the same seed or stops within a bounded time with a clear message, that no
 completed stage is redone, and that no file in the run dir is half-written. Each prints its
-time-to-detect and time-to-recover (run with -s to see them; the README's matrix comes from these).
+time-to-detect and time-to-recover (run with -s to see them; docs/benchmarks.md's fault matrix comes from these).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def test_gather_names_missing_ranks(tmp_path):
     add_score_shard(cfg, paths, 1, [1.0, 0.0])
     proc = gather(paths)
     assert proc.returncode == 1
-    assert "score shards of ranks 0,2 are missing" in proc.stderr
+    assert "the score markers of rank(s) 0,2 are missing (expected 3 ranks)" in proc.stderr
     assert "syncrl rerun" in proc.stderr
     assert markers.read_marker(paths, 0, "gather", 0) is None
 
@@ -74,4 +74,5 @@ def test_gather_refuses_truncated_shard(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-20])
     proc = gather(paths)
     assert proc.returncode == 1
-    assert "rank_00001.jsonl does not match its marker" in proc.stderr
+    assert "output iter_00000/score/rank_00001.jsonl changed size" in proc.stderr
+    assert "syncrl rerun" in proc.stderr and "--stage score" in proc.stderr

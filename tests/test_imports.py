@@ -37,3 +37,34 @@ def test_status_imports_no_heavy_library(tmp_path, request):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "0/10 stages done" in proc.stdout
     assert not names & set(HEAVY), sorted(names & set(HEAVY))
+
+
+# stages/common's torch-free runtime (the run contract, the harness, the env table); the rest of
+# stages/common is the RL library (models, batches, loss, samplers), which only stage processes load.
+RUNTIME = {"config", "paths", "pipeline", "markers", "dist", "logs", "stage", "retry", "data", "memory"}
+
+
+def test_jobs_import_only_the_runtime(request):
+    """Every import of stages/ in jobs/, at any depth of a function, names a runtime module (read from
+    the source, so a lazy import inside a rarely taken branch counts too). Of the heavy libraries,
+    jobs/ loads DeepSpeed only to validate its JSON (check) and wandb only to log (metrics)."""
+    import ast
+
+    root = request.config.rootpath
+    found = {}
+    for path in sorted((root / "jobs").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["stages", "common"] and len(parts) > 2:
+                    found.setdefault(parts[2], set()).add(path.name)
+                elif parts[0] == "stages" and len(parts) > 1 and parts[1] != "common":
+                    found.setdefault(f"stages.{parts[1]}", set()).add(path.name)
+    assert "config" in found and "markers" in found  # the scan sees jobs/' real imports
+    outside = {m: sorted(files) for m, files in found.items() if m not in RUNTIME}
+    assert not outside, f"jobs/ imports beyond the runtime: {outside}"

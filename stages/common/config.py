@@ -190,6 +190,17 @@ class TrainConfig:
             raise ConfigError(f"train.kl_coef must be >= 0 (got {self.kl_coef})")
 
 
+def deepspeed_derived(t: "TrainConfig", world_size: int) -> dict:
+    """The DeepSpeed keys the run config decides (they replace the JSON's): train builds its engine with
+    them and `syncrl check` validates the JSON with them."""
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world_size,
+        "gradient_clipping": t.max_grad_norm,
+    }
+
+
 @dataclass
 class SaveConfig:
     keep_checkpoints: int = 1  # DeepSpeed checkpoints kept; the newest is needed to resume the optimizer

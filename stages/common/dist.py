@@ -26,7 +26,21 @@ ENV_TABLE = {
     "num_nodes": ("SYNCRL_NUM_NODES", "SLURM_STEP_NUM_NODES"),
 }
 JOB_ID_VAR = "SLURM_JOB_ID"
-NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+# The allocation as SLURM describes it to the batch step: field -> the variables that may carry it,
+# first set wins. The coordinator, `syncrl check` and the launchers read SLURM only through here.
+ALLOCATION_TABLE = {
+    "job_id": (JOB_ID_VAR,),
+    "num_nodes": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "nodelist": ("SLURM_JOB_NODELIST",),
+    "cpus_on_node": ("SLURM_CPUS_ON_NODE",),
+    "gpus_on_node": ("SLURM_GPUS_ON_NODE",),
+}
+
+
+def allocation(field: str, env=None) -> str | None:
+    """One field of ALLOCATION_TABLE from `env` (default: this process's environment); None when unset."""
+    env = os.environ if env is None else env
+    return next((env[v] for v in ALLOCATION_TABLE[field] if env.get(v)), None)
 
 
 @dataclass(frozen=True)
@@ -194,30 +208,6 @@ def _gloo_group():
     if _GLOO_GROUP is None:
         _GLOO_GROUP = tdist.new_group(backend="gloo")
     return _GLOO_GROUP
-
-
-def file_barrier(directory, name: str, rank: int, world_size: int, timeout_s: float, poll_s: float = 0.2) -> None:
-    """A barrier through files on the shared filesystem, for phases that have no process group.
-
-    `name` must be unique per run, iteration, stage and attempt (callers build it from those), so
-    arrival files are never deleted: a rank still waiting can never miss one that was cleaned up.
-    """
-    from pathlib import Path
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.rank_{rank:05d}").touch()
-    deadline = time.monotonic() + timeout_s
-    prefix = f"{name}.rank_"
-    while True:
-        arrived = {int(n[len(prefix):]) for n in os.listdir(directory) if n.startswith(prefix)}
-        missing = sorted(set(range(world_size)) - arrived)
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise BarrierTimeout(f"file barrier '{name}' in {directory}: ranks {','.join(map(str, missing))} did not "
-                                 f"arrive within {timeout_s:.0f}s")
-        time.sleep(poll_s)
 
 
 class ProgressWatchdog:

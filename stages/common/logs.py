@@ -10,6 +10,7 @@ file under logs/iter_I/<stage>/attempt_A/, so writing to stderr here puts everyt
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import sys
 import time
@@ -61,12 +62,6 @@ class _RecentHandler(logging.Handler):
         record.exc_info = record_exc
 
 
-def log0(logger: logging.Logger, rank: int, msg: str, *args) -> None:
-    """Log from rank 0 only, for lines every rank would repeat."""
-    if rank == 0:
-        logger.info(msg, *args)
-
-
 class Progress:
     """Rank 0's progress: a tqdm bar on a terminal; in a log file, a plain line every `every_s` seconds
     (carriage-return bars make rank logs unreadable and `syncrl tail` noisy)."""
@@ -100,13 +95,22 @@ class Progress:
 
 
 class Phases:
-    """Durations of a stage's consecutive start-up phases, for its marker: where start-up time goes."""
+    """Durations of a stage's consecutive start-up phases, for its marker: where start-up time goes.
+
+        phases = Phases(ctx.start)
+        with phases("load_models"):
+            ...
+
+    Each phase counts from the end of the one before (the first from `start`), so the phases add up
+    to the whole start-up."""
 
     def __init__(self, start: float):
         self.last = start
         self.seconds: dict[str, float] = {}
 
-    def done(self, name: str) -> None:
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        yield
         now = time.time()
         self.seconds[name] = round(now - self.last, 3)
         self.last = now

@@ -17,20 +17,13 @@ import socket
 import time
 from pathlib import Path
 
+from stages.common import pipeline
 from stages.common.paths import RunPaths
 
 # Files above this are recorded by size only: hashing a 140 GB checkpoint on every marker would cost
 # minutes of allocation time for little safety over the size check.
 HASH_LIMIT_BYTES = 64 << 20
 
-# What each stage of iteration I reads; (stage, offset) means that stage of iteration I + offset.
-DEPENDENCIES = {
-    "generate": (("save", -1),),
-    "score": (("generate", 0),),
-    "gather": (("score", 0),),
-    "train": (("gather", 0), ("save", -1)),
-    "save": (("train", 0),),
-}
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -139,7 +132,7 @@ def rank_markers_present(paths: RunPaths, it: int, stage: str) -> set[int]:
 def input_fingerprint(paths: RunPaths, it: int, stage: str, base_model: str) -> str:
     """Hash of what `stage` of iteration `it` reads: its upstream stage markers' outputs."""
     h = hashlib.sha256()
-    for dep, offset in DEPENDENCIES[stage]:
+    for dep, offset in pipeline.stage(stage).reads:
         dep_it = it + offset
         if dep_it < 0:
             h.update(f"base:{base_model}".encode())
@@ -158,7 +151,13 @@ def marker_problem(paths: RunPaths, marker: dict | None, config_hash: str, input
         return "config changed"
     if marker.get("inputs") != inputs:
         return "inputs changed (an upstream stage was redone)"
-    prunable = tuple(marker.get("prunable", ()))
+    return outputs_problem(paths, marker)
+
+
+def outputs_problem(paths: RunPaths, marker: dict, pruned_ok: bool = True) -> str | None:
+    """Why the outputs a marker lists are not all there at their recorded sizes (None when they are).
+    pruned_ok: outputs that retention may remove (the marker's `prunable`) may be gone."""
+    prunable = tuple(marker.get("prunable", ())) if pruned_ok else ()
     for rel, rec in marker.get("outputs", {}).items():
         p = paths.root / rel
         try:
@@ -169,6 +168,29 @@ def marker_problem(paths: RunPaths, marker: dict | None, config_hash: str, input
             return f"output {rel} is missing"
         if size != rec["size"]:
             return f"output {rel} changed size ({rec['size']} -> {size} bytes)"
+    return None
+
+
+def need_problem(paths: RunPaths, it: int, need, rank: int, world: int) -> str | None:
+    """Why the outputs a stage needs (a pipeline.Need, for iteration `it` and this `rank`) are not
+    there whole; `world`: the ranks of the needed stage, for scope "ranks"."""
+    dep_it = it + need.offset
+    if need.scope == "ranks":
+        missing = sorted(set(range(world)) - rank_markers_present(paths, dep_it, need.stage))
+        if missing:
+            return (f"the {need.stage} markers of rank(s) {','.join(map(str, missing))} are missing "
+                    f"(expected {world} ranks): those ranks did not finish")
+        found = [(r, read_marker(paths, dep_it, need.stage, r)) for r in range(world)]
+    else:
+        r = rank if need.scope == "rank" else None
+        found = [(r, read_marker(paths, dep_it, need.stage, r))]
+    for r, marker in found:
+        name = marker_name(need.stage, r)
+        if marker is None:
+            return f"its marker {name} is missing or unreadable"
+        problem = outputs_problem(paths, marker, pruned_ok=False)
+        if problem:
+            return f"{problem} (against {name})"
     return None
 
 

@@ -6,9 +6,7 @@ import os
 import re
 from pathlib import Path
 
-STAGES = ("generate", "score", "gather", "train", "save")
-# Stages that run one process per rank; the others run as a single task.
-MULTI_RANK_STAGES = ("generate", "score", "train")
+from stages.common.pipeline import MULTI_RANK_STAGES, STAGES  # noqa: F401 (re-exported: the layout's stage names)
 
 
 class RunPaths:

@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import markers
+from stages.common import markers, pipeline
 from stages.common.config import ConfigError, RunConfig, config_hash, load_config
 from stages.common.dist import DistInfo, destroy_process_group, dist_info
 from stages.common.logs import recent_lines, setup_logging
@@ -146,6 +146,34 @@ def make_context(stage: str, run_dir: str, iteration: int, overrides=(), waiting
     return ctx
 
 
+class MissingInput(FileNotFoundError):
+    """An upstream output this stage needs is missing or not whole."""
+
+
+def ranks_of(ctx: StageContext, stage: str, it: int) -> int:
+    """The processes `stage` of iteration `it` ran with: its stage marker says, else the configuration."""
+    recorded = markers.read_marker(ctx.paths, it, stage)
+    if recorded and "world_size" in recorded:
+        return int(recorded["world_size"])
+    group = ctx.cfg.generate.gpus_per_process if stage in pipeline.GROUPED_STAGES else 1
+    return ctx.cfg.ranks // group if pipeline.stage(stage).every_rank else 1
+
+
+def require_needs(ctx: StageContext) -> None:
+    """The outputs this stage needs (the stage table's `needs`) are there whole, else say which stage
+    of which iteration to rerun."""
+    for need in pipeline.stage(ctx.stage).needs:
+        dep_it = ctx.iteration + need.offset
+        if dep_it < 0:
+            continue
+        world = ranks_of(ctx, need.stage, dep_it) if need.scope == "ranks" else ctx.world_size
+        problem = markers.need_problem(ctx.paths, ctx.iteration, need, ctx.rank, world)
+        if problem:
+            raise MissingInput(f"iteration {ctx.iteration} {ctx.stage} needs the outputs of {need.stage} "
+                               f"(iteration {dep_it}): {problem}. Rerun: syncrl rerun {ctx.paths.root} "
+                               f"--iteration {dep_it} --stage {need.stage}")
+
+
 def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
     """What the coordinator's failure summary quotes: who failed, where, with what, and the last lines."""
     if ctx.waiting:  # before its turn: the attempt that counts is started afresh and writes its own
@@ -198,6 +226,7 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
         if per_rank_skip and ctx.rank_done():
             log.info("already done (marker matches config and inputs): skipping")
         else:
+            require_needs(ctx)
             main(ctx)
             log.info("%s done in %.1fs", stage, time.time() - ctx.start)
         code = 0

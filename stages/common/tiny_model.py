@@ -1,5 +1,9 @@
 """Built-in base models, created locally from a config so that no model hub is needed.
 
+    python -m stages.common.tiny_model OUT_DIR [--preset tiny-llama] [--seed 0]
+
+(the coordinator and `syncrl init-model` run it so, which keeps them free of torch).
+
 The tokenizer is a real HF fast tokenizer at character level over printable ASCII: small enough for
 a 100k-parameter model to learn from, and it can encode any GSM8K problem.
 """
@@ -79,3 +83,24 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m stages.common.tiny_model", description=create_base_model.__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--preset", default="tiny-llama", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        create_base_model(args.out_dir, args.preset, args.seed)
+    except FileExistsError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

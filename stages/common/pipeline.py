@@ -1,0 +1,69 @@
+"""The pipeline, declared once: the stages of an iteration in order, and for each what it reads, how
+its processes are laid out and what may start early beside it. Torch-free.
+
+The coordinator, the launchers, the input fingerprints, status, report, tail and the stage harness's
+upstream check all read this table. A new stage is one entry here and one module in stages/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Need:
+    """Outputs a stage must find before it works: `stage`'s of iteration I + `offset`, as recorded by
+    that stage's marker of the same rank ("rank"), the markers of all its ranks ("ranks"), or the
+    stage-level marker the coordinator writes once every rank is done ("stage")."""
+    stage: str
+    scope: str  # "rank" | "ranks" | "stage"
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class EarlyStart:
+    """When the key stage starts, start `stage` of iteration I + `ahead` early; it loads, then waits
+    for the marker of `after` of iteration I + `after_ahead` before it reads anything."""
+    ahead: int
+    stage: str
+    after: str
+    after_ahead: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    every_rank: bool  # one process per rank; otherwise one task
+    # (stage, offset): what this stage of iteration I reads, for its input fingerprint (a marker of
+    # an upstream stage that is redone makes this one stale).
+    reads: tuple[tuple[str, int], ...]
+    needs: tuple[Need, ...] = ()
+    # One task per generate.gpus_per_process GPUs (score scores generate's shards one to one).
+    grouped: bool = False
+    starts_early: tuple[EarlyStart, ...] = ()
+
+
+# Score and gather start in well under a second: not worth starting early. Train starts as soon as
+# the previous train has ended (at save), so that its imports and start-up have save, generate,
+# score and gather to hide behind, not generate alone (on the 0.48B GPU config generate took 10 s,
+# train's imports 11-16 s beside it); in iteration 0, at generate.
+PIPELINE = (
+    Stage("generate", every_rank=True, grouped=True, reads=(("save", -1),),
+          starts_early=(EarlyStart(0, "train", "gather", 0),)),
+    Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
+    Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
+    Stage("train", every_rank=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
+          starts_early=(EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0))),
+    Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),),
+          starts_early=(EarlyStart(1, "train", "gather", 1),)),
+)
+
+BY_NAME = {s.name: s for s in PIPELINE}
+STAGES = tuple(s.name for s in PIPELINE)
+# Stages that run one process per rank; the others run as a single task.
+MULTI_RANK_STAGES = tuple(s.name for s in PIPELINE if s.every_rank)
+GROUPED_STAGES = tuple(s.name for s in PIPELINE if s.grouped)
+
+
+def stage(name: str) -> Stage:
+    return BY_NAME[name]
