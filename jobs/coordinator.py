@@ -276,7 +276,7 @@ class Coordinator:
             outputs=outputs, extra={**summary, "memory": memory, "world_size": n, "attempts": attempt,
                                     "hosts": sorted({m["host"] for m in ranks}), "prunable": sorted(set(prunable)),
                                     "duration_s": time.time() - start})
-        (self.paths.markers(it) / f"{stage}.state.json").unlink(missing_ok=True)
+        self.paths.stage_state(it, stage).unlink(missing_ok=True)
         log.info("iteration %d %-8s done in %.1fs: %s", it, stage, marker["duration_s"], marker.get("summary", ""))
         self.metrics.stage_done(it, stage, marker)
 
@@ -284,7 +284,7 @@ class Coordinator:
         """The stage's state file, for `syncrl status`. A full disk must not stop the coordinator
         from reporting the failure: the file is padded to a fixed size, so that when a new file
         cannot be written the old one can still be overwritten in place, in the space it holds."""
-        path = self.paths.markers(it) / f"{stage}.state.json"
+        path = self.paths.stage_state(it, stage)
         text = json.dumps({
             "state": state, "attempt": attempt, "time": time.time(), "failed_ranks": list(failed_ranks),
             "hosts": sorted(set((hosts or {}).values())), "coordinator": f"{socket.gethostname()}:{os.getpid()}"})
@@ -362,7 +362,7 @@ def coordinate(cfg, launcher_kind: str, action, lock=None) -> int:
 
 def _read_failure_record(paths: RunPaths, it: int, stage: str, rank: int, attempt: int) -> dict | None:
     try:
-        record = markers.read_json(paths.markers(it) / f"{stage}.rank_{rank:05d}.failed")
+        record = markers.read_json(paths.failure_record(it, stage, rank))
     except (FileNotFoundError, ValueError):
         return None
     return record if record.get("attempt") == attempt else None

@@ -49,7 +49,7 @@ def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running:
                    hosts=m.get("hosts", []))
         return row
     try:
-        st = markers.read_json(paths.markers(it) / f"{stage}.state.json")
+        st = markers.read_json(paths.stage_state(it, stage))
     except (FileNotFoundError, ValueError):
         return row
     state = st["state"]

@@ -161,7 +161,7 @@ def _running(paths: RunPaths, iteration: int, stage: str, attempt: int) -> bool:
     if paths.attempts_so_far(iteration, stage) > attempt:
         return False  # a retry started: this attempt is over
     try:
-        st = markers.read_json(paths.markers(iteration) / f"{stage}.state.json")
+        st = markers.read_json(paths.stage_state(iteration, stage))
     except (FileNotFoundError, ValueError):
         return True  # the coordinator has not written its state yet
     return st.get("state") == "running" and st.get("attempt") == attempt and coordinator_running(paths)

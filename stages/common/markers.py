@@ -200,7 +200,7 @@ def clear_stage(paths: RunPaths, it: int, stage: str) -> None:
     (d / marker_name(stage)).unlink(missing_ok=True)
     for rank in rank_markers_present(paths, it, stage):
         (d / marker_name(stage, rank)).unlink(missing_ok=True)
-    for failed in d.glob(f"{stage}.rank_*.failed"):
+    for failed in paths.failure_records(it, stage):
         failed.unlink(missing_ok=True)
 
 

@@ -59,6 +59,17 @@ class RunPaths:
         """Where train writes iteration `it`'s checkpoint before publishing it under checkpoint_tag."""
         return f".{self.checkpoint_tag(it)}.tmp"
 
+    def stage_state(self, it: int, stage: str) -> Path:
+        """The coordinator's record of a stage in flight or failed (state, attempt, ranks, hosts)."""
+        return self.markers(it) / f"{stage}.state.json"
+
+    def failure_record(self, it: int, stage: str, rank: int) -> Path:
+        """What a failed rank wrote about its failure, for the coordinator's summary."""
+        return self.markers(it) / f"{stage}.rank_{rank:05d}.failed"
+
+    def failure_records(self, it: int, stage: str) -> list[Path]:
+        return sorted(self.markers(it).glob(f"{stage}.rank_*.failed"))
+
     def logs(self, it: int, stage: str, attempt: int) -> Path:
         return self.root / "logs" / f"iter_{it:05d}" / stage / f"attempt_{attempt}"
 

@@ -180,7 +180,7 @@ def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
         return
     try:
         markers.write_json_atomic(
-            ctx.paths.markers(ctx.iteration) / f"{ctx.stage}.rank_{ctx.rank:05d}.failed",
+            ctx.paths.failure_record(ctx.iteration, ctx.stage, ctx.rank),
             {"stage": ctx.stage, "iteration": ctx.iteration, "rank": ctx.rank, "host": ctx.info.host,
              "attempt": ctx.attempt, "time": time.time(), "exception": f"{type(exc).__name__}: {exc}",
              "traceback": traceback.format_exception(exc)[-6:], "last_lines": recent_lines()})
