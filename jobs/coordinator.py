@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import signal
@@ -33,10 +32,6 @@ from stages.common.stage import base_model_id
 log = logging.getLogger("syncrl.coordinator")
 
 LOG_TAIL_LINES = 15
-
-# Size of a stage's state file (JSON padded with spaces): room to rewrite it in place on a full disk.
-STATE_FILE_BYTES = 1024
-
 
 def describe_os_error(e: OSError) -> str:
     """One line for an OSError, saying plainly when the disk (or a quota) is full."""
@@ -184,7 +179,7 @@ class Coordinator:
                 launched += result.elapsed_s
                 self._check_attempt(it, stage, attempt, inputs, result)
         # The marker below lets early-started stages waiting on it begin: they are running from then on.
-        go = self.paths.markers(it) / markers.marker_name(stage, None)
+        go = markers.marker_path(self.paths, it, stage)
         for (it2, nxt), (_, early_attempt, after) in self.early.items():
             if after == go:
                 self._write_state(it2, nxt, "running", early_attempt)
@@ -215,8 +210,8 @@ class Coordinator:
             it2 = it + ahead
             if it2 >= self.cfg.iterations or (it2, nxt) in self.early:
                 continue
-            go = self.paths.markers(it + after_ahead) / markers.marker_name(after, None)
-            if go.exists() or any(self.paths.markers(it2).glob(f"{nxt}.*")):
+            go = markers.marker_path(self.paths, it + after_ahead, after)
+            if go.exists() or markers.stage_started(self.paths, it2, nxt):
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1
             step = self.launcher.start(self.paths, it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
@@ -260,46 +255,20 @@ class Coordinator:
         return policies.until_empty(self.cfg.retry.marker_wait_s)(missing) if wait else missing()
 
     def _write_stage_marker(self, it: int, stage: str, inputs: str, start: float, attempt: int) -> None:
-        n = self.launcher.ntasks(stage)
-        ranks = [markers.read_marker(self.paths, it, stage, r) for r in range(n)]
-        outputs, prunable = {}, []
-        for m in ranks:
-            outputs.update(m["outputs"])
-            prunable += m.get("prunable", [])
-        summary = {k: v for k, v in ranks[0].items() if k not in
-                   ("outputs", "prunable", "stage", "iteration", "rank", "host", "attempt", "start", "end",
-                    "config_hash", "inputs")}
-        # Peak memory of the stage is the worst rank's.
-        memory = {k: max(m.get("memory", {}).get(k, 0) for m in ranks) for k in ranks[0].get("memory", {})}
-        marker = markers.write_marker(
-            self.paths, it, stage, None, attempt=attempt, start=start, config_hash=self.chash, inputs=inputs,
-            outputs=outputs, extra={**summary, "memory": memory, "world_size": n, "attempts": attempt,
-                                    "hosts": sorted({m["host"] for m in ranks}), "prunable": sorted(set(prunable)),
-                                    "duration_s": time.time() - start})
-        self.paths.stage_state(it, stage).unlink(missing_ok=True)
+        marker = markers.record_stage_done(self.paths, it, stage, self.launcher.ntasks(stage), attempt=attempt,
+                                           start=start, config_hash=self.chash, inputs=inputs)
         log.info("iteration %d %-8s done in %.1fs: %s", it, stage, marker["duration_s"], marker.get("summary", ""))
         self.metrics.stage_done(it, stage, marker)
 
     def _write_state(self, it: int, stage: str, state: str, attempt: int, failed_ranks=(), hosts=None) -> None:
-        """The stage's state file, for `syncrl status`. A full disk must not stop the coordinator
-        from reporting the failure: the file is padded to a fixed size, so that when a new file
-        cannot be written the old one can still be overwritten in place, in the space it holds."""
-        path = self.paths.stage_state(it, stage)
-        text = json.dumps({
-            "state": state, "attempt": attempt, "time": time.time(), "failed_ranks": list(failed_ranks),
-            "hosts": sorted(set((hosts or {}).values())), "coordinator": f"{socket.gethostname()}:{os.getpid()}"})
-        text = text.ljust(max(STATE_FILE_BYTES, len(text)))
+        """The stage's state file, for `syncrl status`; a failure to write it is logged, never raised."""
+        record = {"state": state, "attempt": attempt, "time": time.time(), "failed_ranks": list(failed_ranks),
+                  "hosts": sorted(set((hosts or {}).values())), "coordinator": f"{socket.gethostname()}:{os.getpid()}"}
         try:
-            markers.write_text_atomic(path, text)
-            return
+            markers.write_stage_state(self.paths, it, stage, record)
         except OSError as e:
-            first = e
-        try:
-            with open(path, "r+") as f:
-                f.write(text)
-                f.truncate()
-        except OSError:
-            log.error("could not record iteration %d %s as %s in %s: %s", it, stage, state, path, describe_os_error(first))
+            log.error("could not record iteration %d %s as %s in %s: %s", it, stage, state,
+                      self.paths.stage_state(it, stage), describe_os_error(e))
 
     def _log_tails(self, it: int, stage: str, attempt: int, ranks: list[int], result) -> str:
         """Per failed rank: its failure record when it wrote one (it raised), else its log's last lines."""
@@ -307,7 +276,7 @@ class Coordinator:
         for r in ranks[:4]:
             p = self.paths.rank_log(it, stage, attempt, r)
             code = result.returncodes.get(r)
-            record = _read_failure_record(self.paths, it, stage, r, attempt)
+            record = markers.read_failure_record(self.paths, it, stage, r, attempt)
             if record:
                 lines = record["last_lines"][-LOG_TAIL_LINES:] + record["traceback"][-2:]
                 head = f"--- rank {r} on {record['host']} raised {record['exception']} (log {p})"
@@ -358,14 +327,6 @@ def coordinate(cfg, launcher_kind: str, action, lock=None) -> int:
         log.error("interrupted; run the same command again to resume (completed stages are kept)")
         return 130
     return 0
-
-
-def _read_failure_record(paths: RunPaths, it: int, stage: str, rank: int, attempt: int) -> dict | None:
-    try:
-        record = markers.read_json(paths.failure_record(it, stage, rank))
-    except (FileNotFoundError, ValueError):
-        return None
-    return record if record.get("attempt") == attempt else None
 
 
 def _terminate(signum, frame):

@@ -40,7 +40,7 @@ def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running:
     row = {"iteration": it, "stage": stage, "state": "pending", "duration_s": None,
            "attempts": paths.attempts_so_far(it, stage), "hosts": [], "failed_ranks": []}
     m = markers.read_marker(paths, it, stage)
-    if m is None and (paths.markers(it) / markers.marker_name(stage, None)).is_file():
+    if m is None and markers.marker_path(paths, it, stage).is_file():
         row["state"] = "corrupt"  # the marker is not valid JSON (cut short?): the next run redoes the stage
         return row
     if m is not None:
@@ -48,9 +48,8 @@ def _state(paths: RunPaths, it: int, stage: str, chash: str, base: str, running:
         row.update(state="done" if problem is None else "stale", duration_s=m.get("duration_s"),
                    hosts=m.get("hosts", []))
         return row
-    try:
-        st = markers.read_json(paths.stage_state(it, stage))
-    except (FileNotFoundError, ValueError):
+    st = markers.read_stage_state(paths, it, stage)
+    if st is None:
         return row
     state = st["state"]
     if state == "running" and not running:

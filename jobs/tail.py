@@ -160,8 +160,7 @@ def _running(paths: RunPaths, iteration: int, stage: str, attempt: int) -> bool:
         return False
     if paths.attempts_so_far(iteration, stage) > attempt:
         return False  # a retry started: this attempt is over
-    try:
-        st = markers.read_json(paths.stage_state(iteration, stage))
-    except (FileNotFoundError, ValueError):
+    st = markers.read_stage_state(paths, iteration, stage)
+    if st is None:
         return True  # the coordinator has not written its state yet
     return st.get("state") == "running" and st.get("attempt") == attempt and coordinator_running(paths)

@@ -1,4 +1,6 @@
-"""Completion markers and atomic writes.
+"""The run ledger: completion markers, stage state files, failure records, input fingerprints, and
+the atomic writes they all use. The coordinator, status, tail, report, gather and the stage harness
+read and write the run's bookkeeping through this module only (paths.py names the files).
 
 A marker is written last, after every output it lists has been published by atomic rename, so a
 marker's presence means its outputs are whole. A stage is skipped only when its marker matches the
@@ -89,6 +91,16 @@ def marker_name(stage: str, rank: int | None = None) -> str:
     return f"{stage}.done" if rank is None else f"{stage}.rank_{rank:05d}.done"
 
 
+def marker_path(paths: RunPaths, it: int, stage: str, rank: int | None = None) -> Path:
+    """Where the marker of `stage` (of one rank, or the stage's own with rank None) is written."""
+    return paths.markers(it) / marker_name(stage, rank)
+
+
+def stage_started(paths: RunPaths, it: int, stage: str) -> bool:
+    """Whether `stage` of iteration `it` has left anything in the ledger (a marker, state or record)."""
+    return any(paths.markers(it).glob(f"{stage}.*"))
+
+
 def write_marker(paths: RunPaths, it: int, stage: str, rank: int | None, *, attempt: int, start: float,
                  config_hash: str, inputs: str, outputs: dict, extra: dict | None = None) -> dict:
     marker = {
@@ -109,9 +121,8 @@ def write_marker(paths: RunPaths, it: int, stage: str, rank: int | None, *, atte
 
 
 def read_marker(paths: RunPaths, it: int, stage: str, rank: int | None = None) -> dict | None:
-    p = paths.markers(it) / marker_name(stage, rank)
     try:
-        return read_json(p)
+        return read_json(marker_path(paths, it, stage, rank))
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -235,3 +246,71 @@ def publish_dir(staging: Path, final: Path) -> None:
         final.rename(old)
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# Size of a stage's state file (JSON padded with spaces): room to rewrite it in place on a full disk.
+STATE_FILE_BYTES = 1024
+# Fields of a rank marker that belong to the rank, not to the stage marker that merges them.
+_RANK_FIELDS = ("outputs", "prunable", "stage", "iteration", "rank", "host", "attempt", "start", "end",
+                "config_hash", "inputs")
+
+
+def record_stage_done(paths: RunPaths, it: int, stage: str, ranks: int, *, attempt: int, start: float,
+                      config_hash: str, inputs: str) -> dict:
+    """The stage marker, merged from its `ranks` rank markers (outputs of all, the first rank's
+    figures, the worst rank's peak memory), written once every rank is done; its state file goes."""
+    found = [read_marker(paths, it, stage, r) for r in range(ranks)]
+    outputs, prunable = {}, []
+    for m in found:
+        outputs.update(m["outputs"])
+        prunable += m.get("prunable", [])
+    summary = {k: v for k, v in found[0].items() if k not in _RANK_FIELDS}
+    memory = {k: max(m.get("memory", {}).get(k, 0) for m in found) for k in found[0].get("memory", {})}
+    marker = write_marker(
+        paths, it, stage, None, attempt=attempt, start=start, config_hash=config_hash, inputs=inputs,
+        outputs=outputs, extra={**summary, "memory": memory, "world_size": ranks, "attempts": attempt,
+                                "hosts": sorted({m["host"] for m in found}), "prunable": sorted(set(prunable)),
+                                "duration_s": time.time() - start})
+    paths.stage_state(it, stage).unlink(missing_ok=True)
+    return marker
+
+
+def write_stage_state(paths: RunPaths, it: int, stage: str, record: dict) -> None:
+    """The stage's state file (running, failed), for `syncrl status`. A full disk must not hide a
+    failure: the file is padded to a fixed size, so that when a new file cannot be written the old
+    one is overwritten in place, in the space it holds. Raises the first OSError when neither works."""
+    path = paths.stage_state(it, stage)
+    text = json.dumps(record)
+    text = text.ljust(max(STATE_FILE_BYTES, len(text)))
+    try:
+        write_text_atomic(path, text)
+        return
+    except OSError as e:
+        first = e
+    try:
+        with open(path, "r+") as f:
+            f.write(text)
+            f.truncate()
+    except OSError:
+        raise first from None
+
+
+def read_stage_state(paths: RunPaths, it: int, stage: str) -> dict | None:
+    """The stage's state file, or None when there is none (or it is unreadable)."""
+    try:
+        return read_json(paths.stage_state(it, stage))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def write_failure_record(paths: RunPaths, it: int, stage: str, rank: int, record: dict) -> None:
+    write_json_atomic(paths.failure_record(it, stage, rank), record)
+
+
+def read_failure_record(paths: RunPaths, it: int, stage: str, rank: int, attempt: int) -> dict | None:
+    """What `rank` wrote about its failure in `attempt` (None if it wrote nothing for that attempt)."""
+    try:
+        record = read_json(paths.failure_record(it, stage, rank))
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if record.get("attempt") == attempt else None

@@ -179,8 +179,8 @@ def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
     if ctx.waiting:  # before its turn: the attempt that counts is started afresh and writes its own
         return
     try:
-        markers.write_json_atomic(
-            ctx.paths.failure_record(ctx.iteration, ctx.stage, ctx.rank),
+        markers.write_failure_record(
+            ctx.paths, ctx.iteration, ctx.stage, ctx.rank,
             {"stage": ctx.stage, "iteration": ctx.iteration, "rank": ctx.rank, "host": ctx.info.host,
              "attempt": ctx.attempt, "time": time.time(), "exception": f"{type(exc).__name__}: {exc}",
              "traceback": traceback.format_exception(exc)[-6:], "last_lines": recent_lines()})
