@@ -206,11 +206,10 @@ class Coordinator:
         if not self.start_early:
             return
         for early in pipeline.stage(stage).starts_early:
-            ahead, nxt, after, after_ahead = early.ahead, early.stage, early.after, early.after_ahead
-            it2 = it + ahead
+            it2, nxt = it + early.ahead, early.stage
             if it2 >= self.cfg.iterations or (it2, nxt) in self.early:
                 continue
-            go = markers.marker_path(self.paths, it + after_ahead, after)
+            go = markers.marker_path(self.paths, it + early.after_ahead, early.after)
             if go.exists() or markers.stage_started(self.paths, it2, nxt):
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1

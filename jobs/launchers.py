@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from stages.common.dist import allocation, slurm_job_id
 from stages.common.paths import RunPaths
-from stages.common.pipeline import GROUPED_STAGES, MULTI_RANK_STAGES
+from stages.common.pipeline import MULTI_RANK_STAGES, group_size
 from stages.common.stage import ATTEMPT_VAR
 
 log = logging.getLogger("syncrl.launch")
@@ -51,10 +51,6 @@ class LaunchResult:
         if not self.per_rank_codes:
             return []
         return sorted(r for r, c in self.returncodes.items() if c != 0)
-
-
-def group_size(stage: str, generate_group: int) -> int:
-    return generate_group if stage in GROUPED_STAGES else 1
 
 
 def group_problem(name: str, n: int, group: int) -> str:

@@ -338,14 +338,18 @@ def optimizer_steps(rows: list[dict], ctx: StageContext) -> list[OptimizerStep]:
 MICRO_BATCH_POSITIONS = 2048
 
 
+def _width(row: dict) -> int:
+    return len(row["prompt_ids"]) + len(row["completion_ids"])
+
+
 def token_budget_groups(rows: list[dict], budget: int) -> list[list[dict]]:
     """Rows grouped into micro-batches of at most `budget` padded positions each (a longer row runs
     alone), the grouping that costs least: padded positions, plus MICRO_BATCH_POSITIONS for every
     micro-batch. Rows are sorted longest first and each group is a run of that order, padded to its
     first row's length; the best cut points are found exactly (dynamic programming over the runs).
     """
-    order = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]), reverse=True)
-    widths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in order]
+    order = sorted(rows, key=_width, reverse=True)
+    widths = [_width(r) for r in order]
     n = len(order)
     cost, cut = [0] * (n + 1), [n] * (n + 1)  # cost[i]: the least cost of grouping order[i:]
     for i in range(n - 1, -1, -1):

@@ -207,10 +207,9 @@ def need_problem(paths: RunPaths, it: int, need, rank: int, world: int) -> str |
 
 def clear_stage(paths: RunPaths, it: int, stage: str) -> None:
     """Remove a stage's markers (stage-level first, so a crash midway never leaves it looking done)."""
-    d = paths.markers(it)
-    (d / marker_name(stage)).unlink(missing_ok=True)
+    marker_path(paths, it, stage).unlink(missing_ok=True)
     for rank in rank_markers_present(paths, it, stage):
-        (d / marker_name(stage, rank)).unlink(missing_ok=True)
+        marker_path(paths, it, stage, rank).unlink(missing_ok=True)
     for failed in paths.failure_records(it, stage):
         failed.unlink(missing_ok=True)
 

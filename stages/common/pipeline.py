@@ -62,8 +62,12 @@ BY_NAME = {s.name: s for s in PIPELINE}
 STAGES = tuple(s.name for s in PIPELINE)
 # Stages that run one process per rank; the others run as a single task.
 MULTI_RANK_STAGES = tuple(s.name for s in PIPELINE if s.every_rank)
-GROUPED_STAGES = tuple(s.name for s in PIPELINE if s.grouped)
 
 
 def stage(name: str) -> Stage:
     return BY_NAME[name]
+
+
+def group_size(name: str, generate_group: int) -> int:
+    """Ranks one task of `name` stands for: generate.gpus_per_process for the grouped stages, else 1."""
+    return generate_group if stage(name).grouped else 1

@@ -155,8 +155,9 @@ def ranks_of(ctx: StageContext, stage: str, it: int) -> int:
     recorded = markers.read_marker(ctx.paths, it, stage)
     if recorded and "world_size" in recorded:
         return int(recorded["world_size"])
-    group = ctx.cfg.generate.gpus_per_process if stage in pipeline.GROUPED_STAGES else 1
-    return ctx.cfg.ranks // group if pipeline.stage(stage).every_rank else 1
+    if not pipeline.stage(stage).every_rank:
+        return 1
+    return ctx.cfg.ranks // pipeline.group_size(stage, ctx.cfg.generate.gpus_per_process)
 
 
 def require_needs(ctx: StageContext) -> None:
