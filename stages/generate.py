@@ -2,11 +2,11 @@
 
 Writes iter_I/generate/rank_K.jsonl: one row per completion with prompt and completion token ids,
 text, and per-token log-probabilities of the sampled tokens under the policy at the sampling
-temperature (the "old" log-probs of the PPO ratio). They come from one forward pass over each
-finished sequence, the same pass train runs (stages/common/batches.py), rather than from the logits
-of every decoding step: keeping those would cost batch x new tokens x vocabulary floats (67 GB for
-256 sequences x 512 tokens with a 128k vocabulary). With top_p < 1 the sampler draws from a
-truncated distribution; the recorded log-probs are still the policy's, which is what train recomputes.
+temperature (the "old" log-probs of the PPO ratio). The compact sampler records them as it draws
+each token, from the same logits (generate.logprobs: sampler, its default); the other samplers, or
+generate.logprobs: recompute, get them from one forward pass over each finished sequence, the pass
+train runs (stages/common/batches.py). With top_p < 1 the sampler draws from a truncated
+distribution; the recorded log-probs are still the policy's, which is what train recomputes.
 
 By hand (one process, rank 0 of 1; `RANK`/`WORLD_SIZE` or srun's variables set the layout):
 
@@ -92,12 +92,17 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
     if sampler is None and g.cache == "compact":
         t0 = time.time()
         prompt_ids = unpadded_prompt_ids(tokenizer, items)
-        completions, stats = sample_compact(model, tokenizer, prompt_ids, g, device)
+        completions, logprobs, stats = sample_compact(model, tokenizer, prompt_ids, g, device)
         stats["sample_s"] = time.time() - t0
         rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
         t0 = time.time()
-        add_logprobs(model, rows, g, device)
+        if logprobs is None:
+            add_logprobs(model, rows, g, device)
+        else:
+            for r, lp in zip(rows, logprobs):
+                r["logprobs"] = [round(x, 6) for x in lp[:len(r["completion_ids"])]]
         stats["logprob_pass_s"] = time.time() - t0
+        stats["logprobs"] = "sampler" if logprobs is not None else "recompute"
         return rows, stats
     per_call = max(1, (g.batch_size or 64) // g.attempts)
     rows = []
@@ -111,32 +116,31 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
     return rows, {"calls": math.ceil(len(items) / per_call)}
 
 
-def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> tuple[list, dict]:
-    """Completions of each prompt's g.attempts sequences through stages/common/decoding.py, as many
-    sequences at once as fit."""
+def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> tuple[list, list | None, dict]:
+    """Completions of each prompt's g.attempts sequences through stages/common/decoding.py, all at once
+    where they fit, and with generate.logprobs=sampler the log-probs it recorded as it drew them."""
     length = decoding.buffer_length(max(len(p) for p in prompt_ids), g.max_new_tokens)
     n_seq = len(prompt_ids) * g.attempts
-    fit = decoding.rows_that_fit(model, length, g.memory_fraction)
-    cap = min(n_seq, g.batch_size or n_seq, fit)
-    if cap < g.attempts:
-        raise RuntimeError(f"generate: not even one prompt's {g.attempts} sequences of {length} positions fit "
+    rows = min(n_seq, g.batch_size or n_seq)
+    positions = min(rows * length, decoding.positions_that_fit(model, rows, g.memory_fraction))
+    if positions < length:
+        raise RuntimeError(f"generate: not even one sequence of {length} positions fits "
                            f"generate.memory_fraction={g.memory_fraction} of the free GPU memory; lower "
-                           f"generate.max_new_tokens or generate.attempts, or raise generate.memory_fraction")
-    # As few calls as fit, of equal size: a last, small call would pay a whole tail of decode steps.
-    calls = math.ceil(n_seq / cap)
-    rows = math.ceil(len(prompt_ids) / calls) * g.attempts
-    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=g.cuda_graphs)
-    log.info("compact decoding: %d sequences in %d call(s) of up to %d rows x %d positions (KV buffer %.2f GiB)",
-             n_seq, calls, rows, length, decoder.cache.nbytes() / 2**30)
+                           f"generate.max_new_tokens, or raise generate.memory_fraction")
+    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=g.cuda_graphs, positions=positions)
+    log.info("compact decoding: %d sequences, up to %d at once, rows of up to %d positions "
+             "(KV buffer %.2f GiB, %d positions)", n_seq, rows, length, decoder.cache.nbytes() / 2**30, positions)
     params = decoding.SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     generator = torch.Generator(device).manual_seed(call_seed())
-    completions = decoder.sample(prompt_ids, g.attempts, params, generator)
+    record = g.logprobs_from_sampler()
+    out = decoder.sample(prompt_ids, g.attempts, params, generator, record_logprobs=record)
+    completions, logprobs = out if record else (out, None)
     stats = dataclasses.asdict(decoder.stats)
     stats.update(length=length, weight_bytes=decoder.weight_bytes, kv_bytes_per_position=decoder.kv_per_position)
     del decoder
-    release_cached_memory()  # the buffer's memory goes to the log-prob pass
-    return completions, stats
+    release_cached_memory()  # the buffer's memory goes back (to the log-prob pass, where it runs)
+    return completions, logprobs, stats
 
 
 @torch.no_grad()

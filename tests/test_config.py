@@ -83,3 +83,15 @@ def test_hash_leaves_out_values_at_their_default():
     import hashlib
     empty = hashlib.sha256(b"{}").hexdigest()[:16]
     assert config_hash(load_config(None, ["run_dir=/r", "iterations=9"])) == empty  # nothing at a default counts
+
+
+def test_sampler_logprobs_need_the_compact_sampler():
+    from stages.common.config import ConfigError, GenerateConfig
+
+    assert GenerateConfig().logprobs_from_sampler()
+    assert not GenerateConfig(cache="static").logprobs_from_sampler()
+    assert not GenerateConfig(logprobs="recompute").logprobs_from_sampler()
+    with pytest.raises(ConfigError, match="generate.logprobs=sampler needs generate.cache=compact"):
+        GenerateConfig(cache="dynamic", logprobs="sampler")
+    with pytest.raises(ConfigError, match="generate.logprobs must be one of"):
+        GenerateConfig(logprobs="vllm")

@@ -7,7 +7,9 @@ bf16 through CUDA graphs. Each test checks one promise:
 - the token frequencies agree with softmax(logits / T), and with the top-p nucleus, under a chi-square
   test that also rejects a sampler at the wrong temperature;
 - the same seed gives the same completions, another seed others;
-- sequences stop at their first end-of-sequence token (kept) or at exactly max_new_tokens.
+- sequences stop at their first end-of-sequence token (kept) or at exactly max_new_tokens;
+- with fewer K/V positions than every sequence needs, all start at once and the ones whose row fills
+  continue in a later round from their tokens so far, keeping every promise above.
 """
 
 from collections import Counter
@@ -49,10 +51,11 @@ def prompt_ids(tok, prompts=PROMPTS):
     return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
-def decode(model, prompts, attempts, params, seed, rows=None, record=False, graphs=True):
+def decode(model, prompts, attempts, params, seed, rows=None, record=False, graphs=True, positions=None):
     device = next(model.parameters()).device
     rows = rows or len(prompts) * attempts
-    dec = CompactDecoder(model, rows, buffer_length(max(map(len, prompts)), params.max_new_tokens), cuda_graphs=graphs)
+    dec = CompactDecoder(model, rows, buffer_length(max(map(len, prompts)), params.max_new_tokens), cuda_graphs=graphs,
+                         positions=positions)
     gen = torch.Generator(device).manual_seed(seed)
     return dec.sample(prompts, attempts, params, gen, record_logprobs=record), dec
 
@@ -142,6 +145,49 @@ def test_sequences_stop_at_eos_or_exactly_max_new_tokens(models, device):
     for c in ids:
         assert frequent not in c[:-1]  # nothing after the first end-of-sequence token
         assert len(c) == 20 or c[-1] == frequent
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
+    model, tok, frequent = models(device)
+    prompts = prompt_ids(tok)
+    # 30 sequences of up to 200 new tokens need rows of 256 positions; the buffer holds rows of 128
+    # for all 30: every sequence starts at once, and those still going after ~120 tokens spill.
+    params = SamplingParams(max_new_tokens=200, temperature=1.5, eos_token_id=frequent, pad_token_id=tok.pad_token_id)
+    (ids, lps), dec = decode(model, prompts, 6, params, seed=4, record=True, positions=30 * 128)
+    st = dec.stats
+    assert st.spilled > 0 and st.rounds >= 2 and st.calls >= 2, st
+    # A spilled sequence drew 128 - width + 1 tokens in its first row, then went on in another.
+    assert max(len(c) for c in ids) > 128 - max(map(len, prompts)) + 1 and any(c[-1] == frequent for c in ids)
+    for c, lp in zip(ids, lps):
+        assert frequent not in c[:-1] and (len(c) == 200 or c[-1] == frequent) and len(lp) == len(c)
+    diffs = torch.cat([(teacher_forced(model, prompts[j // 6], c, params.temperature) - torch.tensor(lp)).abs()
+                       for j, (c, lp) in enumerate(zip(ids, lps))])
+    if device == "cpu":
+        assert diffs.max() < 1e-4, diffs.max()
+    else:
+        assert diffs.mean() < 0.02 and torch.quantile(diffs.float(), 0.99) < 0.1, (diffs.mean(), diffs.max())
+    again, _ = decode(model, prompts, 6, params, seed=4, positions=30 * 128)
+    assert again == ids
+
+
+def test_rounds_are_planned_from_the_buffer():
+    from types import SimpleNamespace
+
+    from stages.common.decoding import CompactDecoder as D
+
+    def plan(rows, positions, groups, remaining):
+        dec = SimpleNamespace(rows=rows, positions=positions)
+        return [(sum(len(q) for _, q in g), r, n) for g, r, n in D._plan(dec, groups, remaining)]
+
+    prompts = [([1] * 60, list(range(i * 8, i * 8 + 8))) for i in range(256)]  # 2,048 sequences
+    assert plan(2048, 2048 * 576, prompts, 512) == [(2048, 2048, 576)]  # all fit at full length
+    # Room for rows of 384: all at once, each with 324 of its 512 tokens before it may spill.
+    assert plan(2048, 2048 * 400, prompts, 512) == [(2048, 2048, 384)]
+    # Rows of 128 would give 68 tokens (< 512 / 4): calls of full-length rows instead, as equal as fit.
+    assert plan(2048, 2048 * 130, prompts, 512) == [(410, 410, 576)] * 4 + [(408, 410, 576)]
+    # A row cap splits a prompt's attempts over two calls.
+    assert plan(12, 10**6, prompts[:3], 64) == [(12, 12, 128), (12, 12, 128)]
 
 
 def test_ladder_and_buffer_shapes():

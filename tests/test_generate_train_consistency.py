@@ -41,11 +41,14 @@ def test_sampling_is_deterministic_per_seed(policy, cache):
     assert all(r["prompt_id"] == "0-1" for r in a[4:8])
 
 
-@pytest.mark.parametrize("temperature,cache", [(1.0, "dynamic"), (0.7, "dynamic"), (1.0, "static"),
-                                                       (0.7, "compact")])
-def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache):
+@pytest.mark.parametrize("temperature,cache,logprobs", [
+    (1.0, "dynamic", "auto"), (0.7, "dynamic", "auto"), (1.0, "static", "auto"),
+    (0.7, "compact", "auto"),  # recorded by the sampler as it draws
+    (0.7, "compact", "recompute"),
+])
+def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache, logprobs):
     model, tok = policy
-    g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache)
+    g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache, logprobs=logprobs)
     rows = sample(policy, 1, g)
     for r in rows:
         r["advantage"] = 1.0
@@ -67,7 +70,7 @@ def test_completion_logprobs_do_not_depend_on_how_rows_are_batched(policy, monke
     import stages.common.batches as batches
 
     model, _ = policy
-    rows = sample(policy, 2, GenerateConfig(attempts=3, max_new_tokens=6))
+    rows = sample(policy, 2, GenerateConfig(attempts=3, max_new_tokens=6, logprobs="recompute"))
     whole = batches.completion_logprobs(model, rows, 1.0, torch.device("cpu"))
     widest = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
     monkeypatch.setattr(batches, "LOGIT_BUDGET", 2 * widest * model.config.vocab_size)  # 1-2 rows per pass

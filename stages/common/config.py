@@ -90,6 +90,12 @@ class GenerateConfig:
     memory_fraction: float = 0.8
     # compact: capture decode steps as CUDA graphs (on GPU). Off: every step launches its kernels.
     cuda_graphs: bool = True
+    # Where the old log-probs come from. "sampler": the compact sampler records each token's log-prob
+    # from the logits it drew it from (no extra pass; they equal a teacher-forced pass within bf16
+    # tolerance, tests/test_decoding.py). "recompute": one forward pass over the finished sequences,
+    # the one train runs. "auto": sampler for cache=compact, recompute for the others (HF generate
+    # and vLLM do not record them).
+    logprobs: str = "auto"
     # GPUs one generate process spreads the model over (transformers' device_map: its layers split
     # across them, run in turn), for models too large for one GPU. 1: one process per GPU, each with
     # the whole model. Generate and score then run tasks_per_node / gpus_per_process tasks per node.
@@ -115,6 +121,14 @@ class GenerateConfig:
             raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
         _choice("generate.backend", self.backend, ("hf", "vllm"))
         _choice("generate.cache", self.cache, ("compact", "static", "dynamic"))
+        _choice("generate.logprobs", self.logprobs, ("auto", "sampler", "recompute"))
+        if self.logprobs == "sampler" and (self.cache != "compact" or self.backend != "hf"):
+            raise ConfigError(f"generate.logprobs=sampler needs generate.cache=compact and backend=hf (got "
+                              f"cache={self.cache}, backend={self.backend}): set generate.logprobs=recompute")
+
+    def logprobs_from_sampler(self) -> bool:
+        return self.logprobs == "sampler" or (self.logprobs == "auto" and self.cache == "compact"
+                                               and self.backend == "hf")
 
 
 @dataclass

@@ -13,9 +13,13 @@ cache. This loop runs the same model forward, with three differences:
 - on GPU, each (batch size, prefix length) decode step is captured once as a CUDA graph and
   replayed, so a step costs one launch instead of a few hundred.
 
-The buffer holds as many rows as fit the free GPU memory (generate.memory_fraction), sized for every
-row reaching max_new_tokens; more sequences than that go in several calls. Prompts are prefilled
-once and their cache copied to each attempt. Sampling is HF's: temperature, then top-p, then a draw
+The buffer holds as many K/V positions as fit the free GPU memory (generate.memory_fraction). When
+that is fewer than every sequence reaching max_new_tokens needs, all sequences still start at once,
+in rows shorter than the longest completion: the few still going when their row is full are
+spilled, and a later round continues them in longer rows, prefilled from their tokens so far. RL
+completions are mostly far shorter than the cap, so this decodes one tail of steps where calls of
+full-length rows would each decode their own. Prompts are prefilled once and their cache copied to
+each attempt. Sampling is HF's: temperature, then top-p, then a draw
 from the softmax, each sequence keeping its end-of-sequence token and stopping there or at
 max_new_tokens. The model is used only through its forward (input ids, position ids, a 4-D additive
 mask, a cache object with `update`), so any HF decoder whose layers all use full attention works;
@@ -24,6 +28,7 @@ others are refused with the setting to use instead.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -43,6 +48,10 @@ LENGTH_STEP = 64
 LADDER_RATIO = 4 / 3
 # Prompt tokens per prefill forward pass: bounds the activations of a long-prompt batch.
 PREFILL_TOKENS = 1 << 16
+# Rows shorter than the longest completion are used only when they give every sequence at least
+# this share of its remaining new tokens (and LENGTH_STEP): below it, more of them spill than the
+# shared tail saves, and the sequences go in calls of full-length rows instead.
+MIN_ROUND_SHARE = 1 / 4
 
 
 @dataclass
@@ -63,6 +72,8 @@ class DecodeStats:
     decoded_positions: int = 0  # rows the decode steps ran, finished and padding rows included
     steps: int = 0
     compactions: int = 0
+    spilled: int = 0  # sequences whose row filled up, continued in a later round
+    rounds: int = 0
     graphs: int = 0
     graph_capture_s: float = 0.0
     prefill_s: float = 0.0
@@ -94,20 +105,20 @@ def buffer_length(prompt_width: int, max_new_tokens: int) -> int:
     return LENGTH_STEP * math.ceil((prompt_width + max_new_tokens - 1) / LENGTH_STEP)
 
 
-def rows_that_fit(model, length: int, memory_fraction: float) -> int:
-    """How many rows of `length` positions fit in `memory_fraction` of the memory free now on each GPU
-    that holds layers (their caches; the float32 logits rows on the first). On CPU: no limit."""
+def positions_that_fit(model, rows: int, memory_fraction: float) -> int:
+    """How many K/V positions (summed over rows) fit in `memory_fraction` of the memory free now on
+    each GPU that holds layers, next to `rows` rows of float32 logits on the first. On CPU: no limit."""
     first = next(model.parameters()).device
     if first.type != "cuda":
-        return 1 << 30
+        return 1 << 40
     config, dtype = model.config, next(model.parameters()).dtype
-    per_layer = kv_bytes_per_position(config, dtype) // config.num_hidden_layers * length
+    per_layer = kv_bytes_per_position(config, dtype) // config.num_hidden_layers
     devices = layer_devices(model, first)
     fit = []
     for d in sorted(set(devices), key=str):
         free, _ = torch.cuda.mem_get_info(d)
-        per_row = per_layer * devices.count(d) + (4 * 3 * config.vocab_size if d == first else 0)
-        fit.append(int(free * memory_fraction // per_row))
+        budget = free * memory_fraction - (4 * 3 * config.vocab_size * rows if d == first else 0)
+        fit.append(int(max(0, budget) // (per_layer * devices.count(d))))
     return min(fit)
 
 
@@ -151,29 +162,35 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 DECODE_ATTENTION = "syncrl_decode"
-# Attended prefixes shorter than this go through decode_attention, longer ones through SDPA: on 1 H200
-# (1024 rows) the products took 8.9 ms per step against SDPA's 11.0 at 64 positions, the same at
-# 256, and 27.1 against 22.6 at 576 (tests/benchmarks/decode_step.py).
-MATMUL_ATTENTION_BELOW = 256
+# Attended prefixes shorter than this go through decode_attention, longer ones through SDPA. On 1 H200
+# one step at 1024 rows took 8.9 ms with the products against SDPA's 11.0 at 64 positions, the same
+# at 256, and 27.1 against 22.6 at 576 (tests/benchmarks/decode_step.py); but SDPA's cuDNN kernel
+# builds a plan for every new shape as a graph is captured, and the whole reference call took 7.0 s
+# with the products at every length against 7.7 s with SDPA from 256 (capture 1.0 s against 2.1 s,
+# tests/benchmarks/generate_cache.py). Longer prefixes than measured keep SDPA, whose memory does
+# not grow with rows x prefix as the products' float32 scores do.
+MATMUL_ATTENTION_BELOW = 1024
 
 
 class RowCache:
-    """K/V of every layer in one preallocated buffer [rows, kv_heads, length, head_dim], in the cache
-    protocol the HF attention layers call (`update`). Before each forward the loop sets how many rows
-    run, where the new positions are written and how much of the prefix attention reads; the layers
-    get views of the buffer, which a CUDA graph can replay because their addresses never change."""
+    """K/V of every layer in one preallocated buffer, viewed as [rows, kv_heads, length, head_dim]
+    for the call in progress (set_layout), in the cache protocol the HF attention layers call
+    (`update`). Before each forward the loop sets how many rows run, where the new positions are
+    written and how much of the prefix attention reads; the layers get views of the buffer, which a
+    CUDA graph can replay because their addresses never change within one layout."""
 
     is_compileable = False
 
-    def __init__(self, config, rows: int, length: int, dtype, layer_devices: list):
+    def __init__(self, config, positions: int, dtype, layer_devices: list):
         heads = config.num_key_value_heads or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._shape = (heads, head_dim)
         # Zeros, not empty: masked positions still enter the attention product, and stale memory could
-        # hold NaN or inf, which a zero weight does not cancel. Each layer's buffer lives where the
-        # layer does (a model spread over GPUs).
-        self.keys = [torch.zeros(rows, heads, length, head_dim, dtype=dtype, device=d) for d in layer_devices]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.rows, self.length = rows, length
+        # hold NaN or inf, which a zero weight does not cancel (what earlier calls leave is finite). Each
+        # layer's buffer lives where the layer does (a model spread over GPUs).
+        self._keys = [torch.zeros(positions * heads * head_dim, dtype=dtype, device=d) for d in layer_devices]
+        self._values = [torch.zeros_like(k) for k in self._keys]
+        self.positions = positions
         devices = sorted(set(layer_devices), key=str)
         # Decode: the position written, on every device that holds layers.
         self._write_at = {d: torch.zeros(1, dtype=torch.long, device=d) for d in devices}
@@ -181,6 +198,17 @@ class RowCache:
         self._layer_devices = layer_devices
         self._prefill_rows: dict = {}
         self.prefill_rows: torch.Tensor | None = None  # prefill: buffer rows of the prompts
+        self.set_layout(1, positions)
+
+    def set_layout(self, rows: int, length: int) -> None:
+        """View the buffer as `rows` rows of `length` positions (at most the positions it holds)."""
+        if rows * length > self.positions:
+            raise ValueError(f"{rows} rows x {length} positions exceed the buffer's {self.positions} positions")
+        heads, head_dim = self._shape
+        n = rows * heads * length * head_dim
+        self.keys = [k[:n].view(rows, heads, length, head_dim) for k in self._keys]
+        self.values = [v[:n].view(rows, heads, length, head_dim) for v in self._values]
+        self.rows, self.length = rows, length
         self.active, self.attend = rows, length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -208,14 +236,19 @@ class RowCache:
         return int(self.write_at.item())
 
     def nbytes(self) -> int:
-        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+        return 2 * sum(k.numel() * k.element_size() for k in self._keys)
 
 
 class CompactDecoder:
     """Samples completions for batches of prompts; reuse one for every call of a stage, so that the
-    buffer and the captured graphs are made once."""
+    buffer and the captured graphs are made once.
 
-    def __init__(self, model, rows: int, length: int, cuda_graphs: bool = True, decode_attention: bool = True):
+    `rows` is the most sequences decoded at once, `length` the longest row a sequence may need
+    (buffer_length), `positions` the K/V positions the buffer holds (default rows x length; fewer
+    makes rounds of shorter rows, see the module's docstring)."""
+
+    def __init__(self, model, rows: int, length: int, cuda_graphs: bool = True, decode_attention: bool = True,
+                 positions: int | None = None):
         check_supported(model.config)
         if decode_attention:
             from transformers import AttentionInterface
@@ -226,21 +259,26 @@ class CompactDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.rows, self.length = rows, length
+        self.positions = min(positions or rows * length, rows * length)
+        if self.positions < length:
+            raise ValueError(f"a buffer of {self.positions} positions cannot hold one row of {length}")
         self.vocab = model.get_output_embeddings().weight.shape[0]
         devices = layer_devices(model, self.device)
         if len(set(devices)) > 1:
             # The buffer follows each layer's device, but this path has not run on several GPUs yet.
             raise ValueError(f"generate.cache=compact has not been validated on a model spread over "
                              f"{len(set(devices))} GPUs (generate.gpus_per_process > 1): set generate.cache=static")
-        self.cache = RowCache(model.config, rows, length, self.dtype, devices)
+        self.cache = RowCache(model.config, self.positions, self.dtype, devices)
         # A model spread over GPUs runs its layers in turn on each: no one graph captures that.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and len(set(devices)) == 1
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         self.mask = torch.zeros(rows, 1, 1, length, dtype=self.dtype, device=self.device)
         self.logits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # One graph per (buffer layout, rows decoded, attended prefix): a layout's views have their own
+        # addresses and strides.
+        self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._stream = None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -252,25 +290,70 @@ class CompactDecoder:
                generator: torch.Generator | None, record_logprobs: bool = False):
         """Completion ids per sequence, in prompt order, `attempts` consecutive sequences per prompt;
         with record_logprobs also each sampled token's log-prob under softmax(logits / T) at the
-        decode step that drew it (tests compare them with a teacher-forced pass)."""
-        out_ids, out_lp = [], []
-        if attempts > self.rows:  # one prompt's attempts over several calls
-            calls = [([p], min(self.rows, attempts - a)) for p in prompts for a in range(0, attempts, self.rows)]
-        else:
-            per_call = self.rows // attempts
-            calls = [(prompts[i:i + per_call], attempts) for i in range(0, len(prompts), per_call)]
-        for call_prompts, call_attempts in calls:
-            ids, lp = self._call(call_prompts, call_attempts, params, generator, record_logprobs)
-            out_ids += ids
-            out_lp += lp
+        decode step that drew it (the policy's, before any top-p truncation)."""
+        n_seq = len(prompts) * attempts
+        out_ids: list[list[int]] = [[] for _ in range(n_seq)]
+        out_lp: list[list[float]] = [[] for _ in range(n_seq)]
+        # Work by remaining new tokens: groups of sequences that share a prefix (a prompt's attempts;
+        # a spilled sequence is a group of its own, its prefix the prompt and its tokens so far).
+        work = {params.max_new_tokens: [(list(p), list(range(i * attempts, (i + 1) * attempts)))
+                                        for i, p in enumerate(prompts)]}
+        while work:
+            remaining = max(work)
+            groups = work.pop(remaining)
+            self.stats.rounds += 1
+            for call_groups, rows, length in self._plan(groups, remaining):
+                seqs = [q for _, qs in call_groups for q in qs]
+                ids, lps, spilled = self._call([p for p, _ in call_groups], [len(qs) for _, qs in call_groups],
+                                               dataclasses.replace(params, max_new_tokens=remaining), generator,
+                                               record_logprobs, rows, length)
+                for q, i, lp in zip(seqs, ids, lps):
+                    out_ids[q] += i
+                    out_lp[q] += lp or []
+                prefix_of = {q: p for p, qs in call_groups for q in qs}
+                for j in spilled:
+                    q = seqs[j]
+                    work.setdefault(remaining - len(ids[j]), []).append((prefix_of[q] + ids[j], [q]))
+        self.stats.new_tokens += sum(len(x) for x in out_ids)
         return (out_ids, out_lp) if record_logprobs else out_ids
 
-    def _call(self, prompts, attempts, params: SamplingParams, generator, record_logprobs):
-        n_seq = len(prompts) * attempts
-        width = max(len(p) for p in prompts)
-        if buffer_length(width, params.max_new_tokens) > self.length or n_seq > self.rows:
-            raise ValueError(f"{n_seq} sequences of prompt width {width} + {params.max_new_tokens} new tokens "
-                             f"do not fit the decoder's buffer ({self.rows} rows x {self.length} positions)")
+    def _plan(self, groups: list, remaining: int) -> list[tuple[list, int, int]]:
+        """Calls for `groups`, each (its groups, rows, row length): all sequences at once in full-length
+        rows when they fit; else at once in shorter rows when those give each sequence enough new
+        tokens (MIN_ROUND_SHARE); else in calls of full-length rows, as few and as equal as fit."""
+        n = sum(len(qs) for _, qs in groups)
+        width = max(len(p) for p, _ in groups)
+        full = buffer_length(width, remaining)
+        at_once = min(n, self.rows)
+        calls = math.ceil(n / at_once)
+        per_call = math.ceil(n / calls)
+        length = min(full, LENGTH_STEP * (self.positions // per_call // LENGTH_STEP))
+        if length < full and length - width < max(LENGTH_STEP, remaining * MIN_ROUND_SHARE):
+            calls = math.ceil(n / (self.positions // full))
+            per_call, length = math.ceil(n / calls), full
+        chunks, current, size = [], [], 0
+        for prefix, qs in groups:
+            while qs:  # a prompt's attempts may go in two calls: each prefills the prompt
+                take = qs[:per_call - size]
+                current.append((prefix, take))
+                size += len(take)
+                qs = qs[len(take):]
+                if size == per_call:
+                    chunks.append((current, per_call, length))
+                    current, size = [], 0
+        if current:  # the same layout as the others: their graphs serve it
+            chunks.append((current, per_call, length))
+        return chunks
+
+    def _call(self, prefixes, counts, params: SamplingParams, generator, record_logprobs, rows: int, length: int):
+        """One batch of sequences through the buffer laid out as `rows` x `length`: (ids per sequence,
+        log-probs per sequence or None, indices of the sequences whose row filled before they ended)."""
+        n_seq = sum(counts)
+        width = max(len(p) for p in prefixes)
+        if width >= length or n_seq > rows:
+            raise ValueError(f"{n_seq} sequences of prefix width {width} do not fit a layout of "
+                             f"{rows} rows x {length} positions")
+        self.cache.set_layout(rows, length)
         st = self.stats
         st.calls += 1
         dev, n_new = self.device, params.max_new_tokens
@@ -282,59 +365,72 @@ class CompactDecoder:
         results_lp = torch.zeros_like(logprobs) if record_logprobs else None
 
         t0 = time.perf_counter()
-        self._prefill(prompts, attempts, width)
+        self._prefill(prefixes, counts, width)
         st.prefill_s += time.perf_counter() - t0
-        b = n_seq
-        sizes = [s for s in ladder(self.rows) if s >= 1]
+        b, spilled = n_seq, False
+        sizes = ladder(self.rows)
         for step in range(n_new):
-            tok = self._draw(b, params, generator)
+            tok, lp = self._draw(b, params, generator, record_logprobs)
             tok = torch.where(done[:b], params.pad_token_id, tok)
             tokens[:b, step] = tok
             if record_logprobs:
-                logprobs[:b, step] = torch.log_softmax(self.logits[:b] / params.temperature, -1) \
-                    .gather(1, tok.unsqueeze(1)).squeeze(1)
+                logprobs[:b, step] = lp
             done[:b] |= tok == params.eos_token_id
             live = int((~done[:b]).sum())  # the loop's one host sync per step
             if live == 0 or step == n_new - 1:
                 break
-            smaller = [s for s in sizes if s >= live]
-            if smaller[-1] < b:
-                b = self._compact(b, smaller[-1], live, width + step, done, seq_of_row, tokens, logprobs,
-                                  results, results_lp)
             # Feed the drawn tokens back: written at position width + step, attending to all before it.
             pos = width + step
+            if pos >= length:  # the rows are full: the live sequences continue in a later round
+                spilled = True
+                break
+            smaller = [s for s in sizes if s >= live]
+            if smaller[-1] < b:
+                b = self._compact(b, smaller[-1], live, pos, done, seq_of_row, tokens, logprobs,
+                                  results, results_lp)
             self.ids[:b, 0] = tokens[:b, step]
             self.mask[:b, 0, 0, pos] = 0
             self.cache.set_write_position(pos)
-            attend = min(self.length, LENGTH_STEP * math.ceil((pos + 1) / LENGTH_STEP))
+            attend = min(length, LENGTH_STEP * math.ceil((pos + 1) / LENGTH_STEP))
             self._forward(b, attend)
-            self.positions[:b] += 1
+            self.position_ids[:b] += 1
             st.steps += 1
             st.decoded_positions += b
             st.kv_bytes_read += b * attend * self.kv_per_position
             st.weight_bytes_read += self.weight_bytes
+        cut = []
+        if spilled:
+            live_rows = seq_of_row[:b][~done[:b]]
+            cut = sorted(live_rows[live_rows >= 0].tolist())
         self._collect(slice(0, b), seq_of_row, tokens, logprobs, results, results_lp)
         ids_out, lp_out = [], []
-        for row, row_lp in zip(results.tolist(), results_lp.tolist() if record_logprobs else [None] * n_seq):
-            n = row.index(params.eos_token_id) + 1 if params.eos_token_id in row else n_new
+        drawn = step + 1
+        cut_set = set(cut)
+        for q, (row, row_lp) in enumerate(zip(results.tolist(),
+                                              results_lp.tolist() if record_logprobs else [None] * n_seq)):
+            if q in cut_set:
+                n = drawn
+            else:
+                n = row.index(params.eos_token_id) + 1 if params.eos_token_id in row else n_new
             ids_out.append(row[:n])
             lp_out.append(row_lp[:n] if row_lp is not None else None)
-        st.new_tokens += sum(len(x) for x in ids_out)
-        log.info("decoding call %d: %d sequences, %d steps, %d new tokens in %.1fs (%d compactions, %d graphs so far)",
-                 st.calls, n_seq, step + 1, sum(len(x) for x in ids_out), time.perf_counter() - t0,
-                 st.compactions, st.graphs)
-        return ids_out, lp_out
+        st.spilled += len(cut)
+        log.info("decoding call %d: %d sequences, %d steps, %d new tokens, %d spilled, in %.1fs "
+                 "(%d compactions, %d graphs so far)", st.calls, n_seq, drawn, sum(len(x) for x in ids_out),
+                 len(cut), time.perf_counter() - t0, st.compactions, st.graphs)
+        return ids_out, lp_out, cut
 
-    def _prefill(self, prompts, attempts, width):
-        """Every prompt's cache, left-padded to `width`, into its attempts' rows; the last position's
-        logits into each row's logits."""
-        n_prompt = len(prompts)
-        pads = torch.tensor([width - len(p) for p in prompts], device=self.device)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+    def _prefill(self, prefixes, counts, width):
+        """Every prefix's cache, left-padded to `width`, into its `counts` rows (consecutive); the last
+        position's logits into each row's logits."""
+        n_prompt = len(prefixes)
+        counts_t = torch.tensor(counts, device=self.device)
+        pads = torch.tensor([width - len(p) for p in prefixes], device=self.device)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prefixes], device=self.device)
         cols = torch.arange(width, device=self.device)
         real = cols.unsqueeze(0) >= pads.unsqueeze(1)  # [n, width]: not padding
         positions = (cols.unsqueeze(0) - pads.unsqueeze(1)).clamp(min=0)
-        first_rows = torch.arange(n_prompt, device=self.device) * attempts
+        first_rows = torch.cumsum(counts_t, 0) - counts_t
         per_pass = max(1, PREFILL_TOKENS // width)
         neg = torch.finfo(self.dtype).min
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
@@ -347,40 +443,47 @@ class CompactDecoder:
                              use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
             self.logits[first_rows[i:j]] = out.logits[:, -1].float()
         self.cache.set_prefill_rows(None)
-        n_seq = n_prompt * attempts
-        # Copy each prompt's cache and logits to its other attempts.
-        for k in self.cache.keys + self.cache.values:
-            grouped = k[:n_seq].view(n_prompt, attempts, *k.shape[1:])
-            grouped[:, 1:, :, :width] = grouped[:, :1, :, :width]
-        grouped = self.logits[:n_seq].view(n_prompt, attempts, -1)
-        grouped[:, 1:] = grouped[:, :1]
-        rows_real = real.repeat_interleave(attempts, 0)
+        n_seq = sum(counts)
+        if n_seq > n_prompt:  # copy each prefix's cache and logits to its group's other rows
+            source = first_rows.repeat_interleave(counts_t)
+            for k in self.cache.keys + self.cache.values:
+                k[:n_seq, :, :width] = k[source, :, :width]
+            self.logits[:n_seq] = self.logits[source]
+        rows_real = real.repeat_interleave(counts_t, 0)
         self.mask[:n_seq].fill_(neg)
         self.mask[:n_seq, 0, 0, :width].masked_fill_(rows_real, 0)
-        self.positions[:n_seq, 0] = (width - pads).repeat_interleave(attempts)
+        self.position_ids[:n_seq, 0] = (width - pads).repeat_interleave(counts_t)
 
-    def _draw(self, b: int, params: SamplingParams, generator) -> torch.Tensor:
+    def _draw(self, b: int, params: SamplingParams, generator, with_logprobs: bool = False):
         """One token per row from softmax(logits / T), restricted to the top-p nucleus (HF's order:
-        temperature, then top-p, which keeps at least the most likely token)."""
+        temperature, then top-p, which keeps at least the most likely token); with_logprobs also its
+        log-prob under the untruncated softmax(logits / T), which is what train recomputes."""
         x = self.logits[:b]
         if params.temperature != 1.0:
             x = x / params.temperature
+        scaled = x
         if params.top_p < 1.0:
             sorted_x, order = torch.sort(x, dim=-1, descending=False)
             cum = sorted_x.softmax(-1).cumsum(-1)
             drop_sorted = cum <= 1 - params.top_p
             drop_sorted[:, -1] = False
             x = x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-        return torch.multinomial(x.softmax(-1), 1, generator=generator).squeeze(1)
+        tok = torch.multinomial(x.softmax(-1), 1, generator=generator)
+        if not with_logprobs:
+            return tok.squeeze(1), None
+        return tok.squeeze(1), scaled.gather(1, tok).squeeze(1) - torch.logsumexp(scaled, -1)
 
     def _forward(self, b: int, attend: int) -> None:
         if not self.cuda_graphs:
             self._step(b, attend)
             return
-        graph = self.graphs.get((b, attend))
+        graph = self.graphs.get(self._graph_key(b, attend))
         if graph is None:
             graph = self._capture(b, attend)
         graph.replay()
+
+    def _graph_key(self, b: int, attend: int) -> tuple[int, int, int, int]:
+        return self.cache.rows, self.cache.length, b, attend
 
     def _step(self, b: int, attend: int) -> None:
         self.cache.active, self.cache.attend = b, attend
@@ -389,7 +492,7 @@ class CompactDecoder:
         if self.decode_attention and attend < MATMUL_ATTENTION_BELOW:
             config._attn_implementation = DECODE_ATTENTION
         try:
-            out = self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
+            out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
                              attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
                              **{self._cache_kw: self.cache})
         finally:
@@ -420,7 +523,7 @@ class CompactDecoder:
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(self._stream)
-        self.graphs[(b, attend)] = graph
+        self.graphs[self._graph_key(b, attend)] = graph
         self.stats.graphs += 1
         self.stats.graph_capture_s += time.perf_counter() - t0
         return graph
@@ -432,7 +535,7 @@ class CompactDecoder:
         self._collect(finished, seq_of_row, tokens, logprobs, results, results_lp)
         for k in self.cache.keys + self.cache.values:
             k[:live, :, :written] = k[keep, :, :written]
-        for buf in (self.positions, self.mask, self.logits, tokens, seq_of_row, done) + \
+        for buf in (self.position_ids, self.mask, self.logits, tokens, seq_of_row, done) + \
                 ((logprobs,) if logprobs is not None else ()):
             buf[:live] = buf[keep]
         # Rows past the live ones are padding: decoded, never collected.

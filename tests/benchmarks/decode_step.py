@@ -49,7 +49,8 @@ def main() -> int:
     for name in args.backends.split(","):
         dec = CompactDecoder(model, args.rows, args.length, decode_attention=name == "matmul")
         with torch.no_grad():
-            dec._prefill([[5, 6, 7, 8, 9]] * (args.rows // 8), 8, 5)
+            dec.cache.set_layout(args.rows, args.length)
+            dec._prefill([[5, 6, 7, 8, 9]] * (args.rows // 8), [8] * (args.rows // 8), 5)
         dec.mask.zero_()  # attend to every position: the cost does not depend on the mask's values
         for shape in args.shapes.split(","):
             b, attend = map(int, shape.split("x"))
@@ -58,7 +59,7 @@ def main() -> int:
                 with ctx, torch.no_grad():
                     dec.cache.set_write_position(attend - 1)
                     dec._forward(b, attend)
-                graph = dec.graphs.get((b, attend))
+                graph = dec.graphs.get(dec._graph_key(b, attend))
                 times = []
                 for _ in range(args.repeats):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,7 +87,8 @@ def profile(model, args, b: int, attend: int) -> None:
 
     dec = CompactDecoder(model, args.rows, args.length, cuda_graphs=False, decode_attention=args.backends == "matmul")
     with torch.no_grad():
-        dec._prefill([[5, 6, 7, 8, 9]] * (args.rows // 8), 8, 5)
+        dec.cache.set_layout(args.rows, args.length)
+        dec._prefill([[5, 6, 7, 8, 9]] * (args.rows // 8), [8] * (args.rows // 8), 5)
         dec.mask.zero_()
         dec.cache.set_write_position(attend - 1)
         for _ in range(3):

@@ -44,6 +44,12 @@ def main() -> int:
     parser.add_argument("--modes", default=DEFAULT_MODES)
     parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s, for the bound")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--matmul-below", type=int, default=None,
+                        help="decode steps attending to fewer positions use the batched-products attention "
+                             "(decoding.MATMUL_ATTENTION_BELOW), the longer ones SDPA")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace each mode's first call (torch.profiler) and print where its time went; "
+                             "the tracing slows the call, so its figures are not the mode's")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # MODE@MODEL_DIR, one mode's process
     args = parser.parse_args()
     if args.child:
@@ -65,6 +71,8 @@ def main() -> int:
         child = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}@{model_dir}"]
         proc = subprocess.run(child, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if args.profile:
+            print(proc.stderr[proc.stderr.find("PROFILE"):] if "PROFILE" in proc.stderr else proc.stderr[-3000:])
         if proc.returncode != 0 or not lines:
             print(f"{mode:<28} failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
@@ -82,7 +90,8 @@ def main() -> int:
               f"{warm_tps if warm_tps else float('nan'):>10.0f}", flush=True)
         if cold.get("stats"):
             s = cold["stats"]
-            print(f"{'':<28} calls {s.get('calls')}, rows {s.get('rows')}, steps {s.get('steps')}, compactions "
+            print(f"{'':<28} calls {s.get('calls')} in {s.get('rounds')} round(s), {s.get('spilled')} spilled, "
+                  f"rows {s.get('rows')}, steps {s.get('steps')}, compactions "
                   f"{s.get('compactions')}, graphs {s.get('graphs')} ({s.get('graph_capture_s', 0):.2f}s to capture), "
                   f"prefill {s.get('prefill_s', 0):.2f}s; peak GPU {r['peak_gib']:.1f} GiB; "
                   f"process start to first call done {r['first_call_done_s']:.1f}s", flush=True)
@@ -102,6 +111,10 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     from stages.common.modeling import device_for, load_policy, load_tokenizer
     from stages.generate import sample_rows
 
+    if args.matmul_below is not None:
+        from stages.common import decoding
+
+        decoding.MATMUL_ATTENTION_BELOW = args.matmul_below
     cache, _, rest = mode.partition(":")
     overrides = dict(kv.split("=", 1) for kv in rest.split(";") if kv) if rest else {}
     g = GenerateConfig(attempts=args.attempts, max_new_tokens=args.new_tokens, cache=cache,
@@ -116,7 +129,12 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        rows, stats = sample_rows(model, tokenizer, items, g, device)
+        if args.profile and i == 0:
+            from tests.benchmarks.profiling import profiled
+
+            rows, stats = profiled(lambda: sample_rows(model, tokenizer, items, g, device), device)
+        else:
+            rows, stats = sample_rows(model, tokenizer, items, g, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         s = time.perf_counter() - t0

@@ -205,6 +205,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "sample_s": max(r.get("sampling", {}).get("sample_s", r["generate_s"]) for r in gen),
                 "logprob_pass_s": max(r.get("sampling", {}).get("logprob_pass_s", 0.0) for r in gen),
                 "graph_capture_s": max(r.get("sampling", {}).get("graph_capture_s", 0.0) for r in gen),
+                "decode_steps": max(r.get("sampling", {}).get("steps", 0) for r in gen),
+                "spilled": sum(r.get("sampling", {}).get("spilled", 0) for r in gen),
             },
             "train": {
                 "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
@@ -259,6 +261,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  bound new tok/s, GPU ", col("generate", "bound_tokens_per_s_per_gpu", "{:>9.0f}"))
     print("  of which decoding s  ", col("generate", "sample_s", "{:>9.1f}"))
     print("    graph capture s    ", col("generate", "graph_capture_s", "{:>9.1f}"))
+    print("    decode steps       ", col("generate", "decode_steps", "{:>9d}"))
+    print("    spilled sequences  ", col("generate", "spilled", "{:>9d}"))
     print("  log-prob pass s      ", col("generate", "logprob_pass_s", "{:>9.1f}"))
     print(f"  (bound: weights once per decode step + the K/V each new token attends to, at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s; tests/benchmarks/decode_bound.py)")

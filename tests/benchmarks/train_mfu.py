@@ -6,8 +6,9 @@ one optimizer step per micro-batch, for each variant given, in one process group
 seconds per step, tokens/s over all GPUs, model FLOPs utilisation (formula printed, see
 stages/common/flops.py), the 6*N-only figure for comparison, and peak GPU memory.
 
-A variant is colon-separated: zN (ZeRO stage, with configs/ds_zero2_gpu.json or
-ds_zero3_multinode.json), mB (micro-batch per GPU), and optionally gc (gradient checkpointing),
+A variant is colon-separated: zN (ZeRO stage N, with configs/ds_zero3_multinode.json for 3 and
+configs/ds_zero2_gpu.json with its stage set to N below), mB (micro-batch per GPU), and optionally
+gc (gradient checkpointing),
 kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/benchmarks/train_mfu.py \\
@@ -49,12 +50,15 @@ def parse_variant(text: str) -> dict:
     return v
 
 
-def synthetic_rows(n: int, seq: int, vocab: int, seed: int) -> list[dict]:
+def synthetic_rows(n: int, seq: int, vocab: int, seed: int, micro: int = 1, vary: int = 0) -> list[dict]:
+    """n rows of `seq` tokens; with vary, micro-batch i's rows are 8 * (i % vary) tokens shorter (each
+    micro-batch a new width, as the train stage's are)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
+    for k in range(n):
         prompt = [rng.randrange(4, vocab) for _ in range(128)]
-        completion = [rng.randrange(4, vocab) for _ in range(seq - 128)]
+        width = seq - (8 * ((k // micro) % vary) if vary else 0)
+        completion = [rng.randrange(4, vocab) for _ in range(width - 128)]
         rows.append({"prompt_ids": prompt, "completion_ids": completion,
                      "logprobs": [-rng.random() * 3 for _ in completion], "advantage": rng.choice([-1.0, 1.0])})
     return rows
@@ -113,9 +117,13 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per variant")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--vary", type=int, default=0,
+                        help="cycle the micro-batches' widths over this many values, 8 tokens apart")
     parser.add_argument("--variants", default="z2:m8,z2:m16,z2:m32,z3:m16")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="trace each variant's timed steps (torch.profiler, on stderr); slows them")
     args = parser.parse_args()
 
     import deepspeed
@@ -137,7 +145,8 @@ def main() -> int:
     results = []
     for spec in args.variants.split(","):
         v = parse_variant(spec)
-        ds = json.loads((ROOT / DS_CONFIGS[v["zero"]]).read_text())
+        ds = json.loads((ROOT / DS_CONFIGS.get(v["zero"], DS_CONFIGS[2])).read_text())
+        ds["zero_optimization"]["stage"] = v["zero"]
         ds.update(train_micro_batch_size_per_gpu=v["micro"], gradient_accumulation_steps=1,
                   train_batch_size=v["micro"] * world, gradient_clipping=1.0)
         ds["optimizer"]["params"].update(lr=1e-6, weight_decay=0.0)
@@ -158,19 +167,34 @@ def main() -> int:
             engine.compile()
         shape = flops.model_shape(engine.module)
         train_cfg = SimpleNamespace(clip_eps=0.2, kl_coef=0.05 if v["kl"] else 0.0)
-        rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank)
+        rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
+                              v["micro"], args.vary)
         batches = [collate(rows[i:i + v["micro"]], device) for i in range(0, len(rows), v["micro"])]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         engine.train()
-        for i, batch in enumerate(batches):
-            if i == args.warmup:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                tdist.barrier()
-                t0 = time.perf_counter()
-            micro_step(engine, ref, batch, train_cfg, 1.0)
-            engine.step()
+
+        def run(steps):
+            for batch in steps:
+                micro_step(engine, ref, batch, train_cfg, 1.0)
+                engine.step()
+
+        t_first = time.perf_counter()
+        run(batches[:1])  # the first step: compiles, where the variant compiles
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        first_s = time.perf_counter() - t_first
+        run(batches[1:args.warmup])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        if args.profile:
+            from tests.benchmarks.profiling import profiled
+
+            profiled(lambda: run(batches[args.warmup:]), device)
+        else:
+            run(batches[args.warmup:])
         if device.type == "cuda":
             torch.cuda.synchronize()
         tdist.barrier()
@@ -180,7 +204,7 @@ def main() -> int:
         model_flops = world * passes * sum(flops.forward_flops(shape, n) for b in timed for n in b["lengths"])
         positions = world * sum(sum(b["lengths"]) for b in timed)
         six_n = world * 6 * shape["n"] * sum(sum(b["lengths"]) for b in timed)
-        r = {"variant": v["name"], "seconds_per_step": seconds / args.steps, "tokens_per_s": positions / seconds,
+        r = {"variant": v["name"], "seconds_per_step": seconds / args.steps, "first_step_s": first_s, "tokens_per_s": positions / seconds,
              "mfu": model_flops / (seconds * world * peak) if peak else None,
              "mfu_6n": six_n / (seconds * world * peak) if peak else None,
              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
@@ -188,7 +212,8 @@ def main() -> int:
         if rank == 0:
             mfu = f"MFU {r['mfu']:6.1%} (6N only {r['mfu_6n']:6.1%})" if peak else "MFU n/a (no GPU peak known)"
             mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
-            print(f"{v['name']:<18} {r['seconds_per_step']:7.3f} s/step {r['tokens_per_s']:10.0f} tok/s "
+            print(f"{v['name']:<18} {r['seconds_per_step']:7.3f} s/step (first {first_s:.1f} s) "
+                  f"{r['tokens_per_s']:10.0f} tok/s "
                   f"(all {world} ranks)  {mfu}{mem}", flush=True)
         del engine, model, ref, batches
         gc.collect()

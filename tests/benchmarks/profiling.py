@@ -1,0 +1,43 @@
+"""torch.profiler around one piece of a benchmark: how much of the wall time the GPU was busy, and
+which kernels and host-side operators took longest. Tracing slows what it traces: the benchmarks
+report their own figures from untraced runs."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def profiled(call, device, rows: int = 20):
+    """Run `call()` under torch.profiler and print the report to stderr (benchmarks keep stdout for
+    their result lines); returns what `call` returned."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        out = call()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    busy, n = gpu_busy_seconds(prof)
+    print(f"PROFILE wall {wall:.2f}s, GPU busy {busy:.2f}s ({busy / wall:.0%}), {n} kernels", file=sys.stderr)
+    for sort in (["cuda_time_total"] if cuda else []) + ["cpu_time_total"]:
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60), file=sys.stderr)
+    return out
+
+
+def gpu_busy_seconds(prof) -> tuple[float, int]:
+    """The union of the traced kernels' intervals, in seconds, and the kernel count."""
+    import torch
+
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:  # microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e6, len(kernels)
