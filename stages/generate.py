@@ -55,7 +55,8 @@ def main(ctx: StageContext) -> None:
     sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g.gpus_per_process,
                           g.vllm_memory_fraction, sample_seed(cfg.seed, ctx.iteration, ctx.rank)) \
         if g.backend == "vllm" else None
-    model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread).eval()
+    model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread,
+                        fused_norms=cfg.model.fused_rms_norm).eval()
     if spread:
         device = model.device  # where the first layers live: inputs go there
     load_s = time.time() - t0

@@ -84,7 +84,8 @@ def set_up(ctx: StageContext) -> TrainRun:
         ref = load_reference(ctx, device) if t.kl_coef > 0 else None
         hf_ds_config = _zero3_init_context(ds_config)
         # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
-        model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device)
+        model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device,
+                            fused_norms=cfg.model.fused_rms_norm)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
     with phases("deepspeed_initialize"):
@@ -200,7 +201,8 @@ def compile_models(engine, ref, backend: str):
 
 
 def load_reference(ctx: StageContext, device):
-    return load_policy(ctx.base_model_path(), ctx.cfg.model.dtype, device).eval().requires_grad_(False)
+    return load_policy(ctx.base_model_path(), ctx.cfg.model.dtype, device,
+                       fused_norms=ctx.cfg.model.fused_rms_norm).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:

@@ -30,6 +30,10 @@ class ModelConfig:
     preset: str = "tiny-llama"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
+    # The RMSNorms of Llama, Mistral and Qwen layers run torch's fused kernel (F.rms_norm) in generate
+    # and train instead of HF's unfused forward (stages/common/modeling.py, fuse_rms_norms). Off until
+    # it is measured on a GPU (tests/benchmarks/train_mfu.py, variant "fused").
+    fused_rms_norm: bool = False
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))

@@ -39,9 +39,11 @@ def load_tokenizer(path: Path):
     return tok
 
 
-def load_policy(path: Path, dtype: str, device: torch.device | None = None, spread: bool = False):
+def load_policy(path: Path, dtype: str, device: torch.device | None = None, spread: bool = False,
+                fused_norms: bool = False):
     """The HF model at `path`: on the host (device None), on `device`, or with `spread` on GPU, its
-    layers split over every GPU this process sees (transformers' device_map="auto")."""
+    layers split over every GPU this process sees (transformers' device_map="auto"); with
+    fused_norms its RMSNorms run torch's fused kernel (fuse_rms_norms)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
@@ -59,7 +61,36 @@ def load_policy(path: Path, dtype: str, device: torch.device | None = None, spre
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
     if device is not None and "device_map" not in kwargs:
         model.to(device)
+    if fused_norms:
+        fuse_rms_norms(model)
     return model
+
+
+# RMSNorm classes whose forward is weight * x / rms(x), the formula torch.nn.functional.rms_norm
+# computes (Gemma's, weight + 1, is not). HF's forward is seven kernels and an fp32 copy of its
+# input, forward and again backward; on CUDA F.rms_norm is one fused kernel each way. On 1 H200 the
+# unfused pieces of RMSNorm, SiLU and rotary were most of a train step's kernel time
+# (docs/benchmarks.md).
+FUSABLE_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+
+
+def fuse_rms_norms(model) -> int:
+    """Route the forward of every RMSNorm of FUSABLE_RMS_NORMS in `model` through F.rms_norm (in
+    fp32 inside, as HF's is; the output is rounded once where HF rounds twice). Returns how many."""
+    import types
+
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ in FUSABLE_RMS_NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_fused_rms_norm_forward, module)
+            n += 1
+    return n
+
+
+def _fused_rms_norm_forward(self, hidden_states):
+    if hidden_states.dtype != self.weight.dtype:  # HF's mixed-precision case: keep its arithmetic
+        return type(self).forward(self, hidden_states)
+    return torch.nn.functional.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
 
 def preload_model_code(ctx) -> None:

@@ -47,6 +47,8 @@ def main() -> int:
     parser.add_argument("--matmul-below", type=int, default=None,
                         help="decode steps attending to fewer positions use the batched-products attention "
                              "(decoding.MATMUL_ATTENTION_BELOW), the longer ones SDPA")
+    parser.add_argument("--fused-norms", action="store_true",
+                        help="torch's fused RMSNorm instead of HF's forward (model.fused_rms_norm=true)")
     parser.add_argument("--profile", action="store_true",
                         help="trace each mode's first call (torch.profiler) and print where its time went; "
                              "the tracing slows the call, so its figures are not the mode's")
@@ -121,7 +123,7 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
                        **{k: yaml.safe_load(v) for k, v in overrides.items()})
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
-    model = load_policy(model_dir, args.dtype, device).eval()
+    model = load_policy(model_dir, args.dtype, device, fused_norms=args.fused_norms).eval()
     items = iteration_prompts(DataConfig(prompts_per_iteration=args.prompts), synthetic_problems(1000, 4, 0), 0, 0)
     calls, pairs = [], []
     for i in range(args.repeats + 1):  # the first call is the one a stage makes

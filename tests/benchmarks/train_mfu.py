@@ -9,7 +9,8 @@ stages/common/flops.py), the 6*N-only figure for comparison, and peak GPU memory
 A variant is colon-separated: zN (ZeRO stage N, with configs/ds_zero3_multinode.json for 3 and
 configs/ds_zero2_gpu.json with its stage set to N below), mB (micro-batch per GPU), and optionally
 gc (gradient checkpointing),
-kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile).
+kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile), fused
+(torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/benchmarks/train_mfu.py \\
         [--preset small-llama | --shape llama-8b] [--seq 1024] [--steps 10] [--variants z2:m8,z2:m16,z2:m32,z3:m16]
@@ -37,13 +38,13 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 
 
 def parse_variant(text: str) -> dict:
-    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "name": text}
+    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile"):
+        elif part in ("gc", "kl", "compile", "fused"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -158,8 +159,10 @@ def main() -> int:
                 raise SystemExit("--shape: the kl variants need a reference replica per rank; use --preset")
             ref, model = None, build_in_place(args.shape, ds, dtype)
         else:
-            ref = load_policy(model_dir, dtype, device).eval().requires_grad_(False) if v["kl"] else None
-            model = load_policy(model_dir, dtype)
+            fused = v["fused"]
+            ref = load_policy(model_dir, dtype, device, fused_norms=fused).eval().requires_grad_(False) \
+                if v["kl"] else None
+            model = load_policy(model_dir, dtype, fused_norms=fused)
         if v["gc"]:
             model.gradient_checkpointing_enable()
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
