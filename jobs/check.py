@@ -17,11 +17,11 @@ import subprocess
 from pathlib import Path
 
 from jobs.launchers import group_problem, launcher_kind
-from stages.common.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
+from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
                                   to_dict)
-from stages.common.data import read_jsonl_problems
-from stages.common.dist import allocation
-from stages.common.paths import RunPaths
+from stages.runtime.data import read_jsonl_problems
+from stages.runtime.dist import allocation
+from stages.runtime.paths import RunPaths
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

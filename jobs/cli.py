@@ -11,8 +11,8 @@ import errno
 import logging
 import sys
 
-from stages.common.config import ConfigError, load_config
-from stages.common.paths import STAGES
+from stages.runtime.config import ConfigError, load_config
+from stages.runtime.paths import STAGES
 
 log = logging.getLogger("syncrl")
 
@@ -146,7 +146,7 @@ def cmd_tail(args) -> int:
 
 def cmd_rerun(args) -> int:
     from jobs.coordinator import coordinate, setup_coordinator_logging
-    from stages.common.paths import RunPaths
+    from stages.runtime.paths import RunPaths
 
     setup_coordinator_logging()
     paths = RunPaths(args.run_dir)

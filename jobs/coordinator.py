@@ -22,12 +22,12 @@ import filelock
 from jobs.base_model import create_base_model
 from jobs.check import check, first_int, frozen_config_problem, resolve_paths
 from jobs.metrics import MetricsLog
-from stages.common import markers, pipeline
-from stages.common.config import ConfigError, RunConfig, config_hash, dump_config, load_config
-from stages.common.dist import allocation
-from stages.common import retry as policies
-from stages.common.paths import STAGES, RunPaths
-from stages.common.stage import base_model_id
+from stages.runtime import markers, pipeline
+from stages.runtime import retry as policies
+from stages.runtime.config import ConfigError, RunConfig, config_hash, dump_config, load_config
+from stages.runtime.dist import allocation
+from stages.runtime.paths import STAGES, RunPaths
+from stages.runtime.stage import base_model_id
 
 log = logging.getLogger("syncrl.coordinator")
 

@@ -19,10 +19,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from stages.common.dist import allocation, slurm_job_id
-from stages.common.paths import RunPaths
-from stages.common.pipeline import MULTI_RANK_STAGES, group_size
-from stages.common.stage import ATTEMPT_VAR
+from stages.runtime.dist import allocation, slurm_job_id
+from stages.runtime.paths import RunPaths
+from stages.runtime.pipeline import MULTI_RANK_STAGES, group_size
+from stages.runtime.stage import ATTEMPT_VAR
 
 log = logging.getLogger("syncrl.launch")
 
@@ -85,7 +85,7 @@ class LocalLauncher:
         """CUDA_VISIBLE_DEVICES for a rank that spreads the model over several GPUs: its own slice."""
         group = group_size(stage, self.generate_group)
         if group == 1:
-            return None  # one GPU per rank, picked by local rank (stages/common/modeling.device_for)
+            return None  # one GPU per rank, picked by local rank (stages/rl/modeling.device_for)
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
             else [str(i) for i in range(self.ranks)]
         return ",".join(gpus[rank * group:(rank + 1) * group])

@@ -14,9 +14,9 @@ import os
 import time
 import uuid
 
-from stages.common.config import RunConfig, to_dict
-from stages.common.markers import write_text_atomic
-from stages.common.paths import RunPaths
+from stages.runtime.config import RunConfig, to_dict
+from stages.runtime.markers import write_text_atomic
+from stages.runtime.paths import RunPaths
 
 log = logging.getLogger("syncrl.metrics")
 

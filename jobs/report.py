@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.common import markers
-from stages.common.paths import STAGES, RunPaths
+from stages.runtime import markers
+from stages.runtime.paths import STAGES, RunPaths
 
 
 def collect(run_dir: str) -> list[dict]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import fcntl
 import os
 
-from stages.common import markers
-from stages.common.config import config_hash, load_config
-from stages.common.paths import STAGES, RunPaths
-from stages.common.stage import base_model_id
+from stages.runtime import markers
+from stages.runtime.config import config_hash, load_config
+from stages.runtime.paths import STAGES, RunPaths
+from stages.runtime.stage import base_model_id
 
 
 def stage_states(run_dir: str) -> list[dict]:

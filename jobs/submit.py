@@ -14,7 +14,7 @@ from pathlib import Path
 
 import submitit
 
-from stages.common.config import RunConfig
+from stages.runtime.config import RunConfig
 
 log = logging.getLogger("syncrl.submit")
 
@@ -28,7 +28,7 @@ class CoordinatorJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         from jobs.coordinator import run, setup_coordinator_logging
-        from stages.common.config import ConfigError
+        from stages.runtime.config import ConfigError
 
         setup_coordinator_logging()
         try:

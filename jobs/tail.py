@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.status import coordinator_running
-from stages.common import markers
-from stages.common.config import ConfigError
-from stages.common.paths import STAGES, RunPaths, numbered
+from stages.runtime import markers
+from stages.runtime.config import ConfigError
+from stages.runtime.paths import STAGES, RunPaths, numbered
 
 PREFIX = re.compile(r"^\[(n\d+:r\d+)\] (\d\d):(\d\d):(\d\d)\.(\d{3}) ")
 FIRST_LINE = re.compile(r"host=(\S+) .*node=(\d+)")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import statistics
 
-from stages.common import markers
-from stages.common.advantages import build_train_set, group_rows, zero_variance
-from stages.common.markers import read_jsonl, write_json_atomic, write_jsonl_atomic
-from stages.common.stage import StageContext, ranks_of, run_stage
+from stages.rl.advantages import build_train_set, group_rows, zero_variance
+from stages.runtime import markers
+from stages.runtime.markers import read_jsonl, write_json_atomic, write_jsonl_atomic
+from stages.runtime.stage import StageContext, ranks_of, run_stage
 
 log = logging.getLogger("syncrl.gather")
 

@@ -5,7 +5,7 @@ text, and per-token log-probabilities of the sampled tokens under the policy at 
 temperature (the "old" log-probs of the PPO ratio). The compact sampler records them as it draws
 each token, from the same logits (generate.logprobs: sampler, its default); the other samplers, or
 generate.logprobs: recompute, get them from one forward pass over each finished sequence, the pass
-train runs (stages/common/batches.py). With top_p < 1 the sampler draws from a truncated
+train runs (stages/rl/batches.py). With top_p < 1 the sampler draws from a truncated
 distribution; the recorded log-probs are still the policy's, which is what train recomputes.
 
 By hand (one process, rank 0 of 1; `RANK`/`WORLD_SIZE` or srun's variables set the layout):
@@ -23,15 +23,15 @@ import time
 
 import torch
 
-from stages.common import decoding
-from stages.common.batches import completion_logprobs
-from stages.common.data import iteration_prompts, load_problems, shard
-from stages.common.logs import Progress
-from stages.common.markers import write_jsonl_atomic
-from stages.common.memory import release_cached_memory
-from stages.common.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
-from stages.common.stage import StageContext, run_stage
-from stages.common.vllm_sampler import VllmSampler
+from stages.rl import decoding
+from stages.rl.batches import completion_logprobs
+from stages.rl.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
+from stages.rl.vllm_sampler import VllmSampler
+from stages.runtime.data import iteration_prompts, load_problems, shard
+from stages.runtime.logs import Progress
+from stages.runtime.markers import write_jsonl_atomic
+from stages.runtime.memory import release_cached_memory
+from stages.runtime.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.generate")
 
@@ -118,7 +118,7 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
 
 
 def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> tuple[list, list | None, dict]:
-    """Completions of each prompt's g.attempts sequences through stages/common/decoding.py, all at once
+    """Completions of each prompt's g.attempts sequences through stages/rl/decoding.py, all at once
     where they fit, and with generate.logprobs=sampler the log-probs it recorded as it drew them."""
     length = decoding.buffer_length(max(len(p) for p in prompt_ids), g.max_new_tokens)
     n_seq = len(prompt_ids) * g.attempts

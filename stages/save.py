@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from stages.common import markers
-from stages.common.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
-from stages.common.paths import numbered
-from stages.common.serialization import checkpoint_io
-from stages.common.stage import StageContext, run_stage
+from stages.rl.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
+from stages.rl.serialization import checkpoint_io
+from stages.runtime import markers
+from stages.runtime.paths import numbered
+from stages.runtime.stage import StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
 

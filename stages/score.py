@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 
-from stages.common.answer import extract_answer, is_correct, normalize_number
-from stages.common.config import ScoreConfig
-from stages.common.markers import read_jsonl, write_jsonl_atomic
-from stages.common.stage import StageContext, run_stage
+from stages.rl.answer import extract_answer, is_correct, normalize_number
+from stages.runtime.config import ScoreConfig
+from stages.runtime.markers import read_jsonl, write_jsonl_atomic
+from stages.runtime.stage import StageContext, run_stage
 
 __all__ = ["extract_answer", "is_correct", "normalize_number", "reward_fields", "main"]
 

@@ -22,16 +22,17 @@ from pathlib import Path
 
 import torch
 
-from stages.common import dist, flops, markers
-from stages.common.batches import collate, sequence_logprobs
-from stages.common.config import deepspeed_derived
-from stages.common.loss import ppo_clip_loss
-from stages.common.logs import Phases, Progress
-from stages.common.markers import read_jsonl, write_jsonl_atomic
-from stages.common.memory import release_cached_memory
-from stages.common.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
-from stages.common.serialization import checkpoint_io
-from stages.common.stage import StageContext, run_stage, write_failure_record
+from stages.rl import flops
+from stages.rl.batches import collate, sequence_logprobs
+from stages.rl.loss import ppo_clip_loss
+from stages.rl.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
+from stages.rl.serialization import checkpoint_io
+from stages.runtime import dist, markers
+from stages.runtime.config import deepspeed_derived
+from stages.runtime.logs import Phases, Progress
+from stages.runtime.markers import read_jsonl, write_jsonl_atomic
+from stages.runtime.memory import release_cached_memory
+from stages.runtime.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
 

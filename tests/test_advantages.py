@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from stages.common.advantages import advantages, build_train_set
+from stages.rl.advantages import advantages, build_train_set
 
 
 def test_grpo_hand_computed():

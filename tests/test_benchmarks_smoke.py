@@ -35,7 +35,7 @@ def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(tmp_path):
 def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path):
     # --shape builds from the config under zero.Init (how the largest models are benchmarked): the
     # same parameter count as the preset loaded from disk, and each rank holding only its partition.
-    from stages.common.tiny_model import PRESETS
+    from stages.rl.tiny_model import PRESETS
 
     sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
     from shapes import SHAPES, block_params, largest_fitting

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jobs.check import check_files
-from stages.common.config import dump_config, load_config
+from stages.runtime.config import dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "local_tiny.yaml")

@@ -1,4 +1,4 @@
-"""Checkpoint I/O settings (stages/common/serialization.py) and save's retention of checkpoints and models."""
+"""Checkpoint I/O settings (stages/rl/serialization.py) and save's retention of checkpoints and models."""
 
 import zipfile
 from pathlib import Path
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stages.common.paths import RunPaths
-from stages.common.serialization import checkpoint_io
+from stages.rl.serialization import checkpoint_io
+from stages.runtime.paths import RunPaths
 from stages.save import prune_checkpoints, prune_models
 
 
@@ -86,7 +86,7 @@ def test_prune_models_counts_this_iterations_export_and_keeps_base(tmp_path):
 def test_verify_compares_every_exported_tensor(tmp_path):
     from safetensors.torch import load_file
 
-    from stages.common.tiny_model import create_base_model
+    from stages.rl.tiny_model import create_base_model
     from stages.save import verify
 
     model = create_base_model(tmp_path / "m", "tiny-llama")

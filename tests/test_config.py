@@ -1,6 +1,6 @@
 import pytest
 
-from stages.common.config import ConfigError, config_diff, config_hash, load_config, to_dict
+from stages.runtime.config import ConfigError, config_diff, config_hash, load_config, to_dict
 
 
 def write(tmp_path, text):
@@ -86,7 +86,7 @@ def test_hash_leaves_out_values_at_their_default():
 
 
 def test_sampler_logprobs_need_the_compact_sampler():
-    from stages.common.config import ConfigError, GenerateConfig
+    from stages.runtime.config import ConfigError, GenerateConfig
 
     assert GenerateConfig().logprobs_from_sampler()
     assert not GenerateConfig(cache="static").logprobs_from_sampler()

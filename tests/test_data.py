@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from stages.common.config import ConfigError, DataConfig
-from stages.common.data import iteration_prompts, load_problems, read_jsonl_problems, shard, synthetic_problems
+from stages.runtime.config import ConfigError, DataConfig
+from stages.runtime.data import iteration_prompts, load_problems, read_jsonl_problems, shard, synthetic_problems
 
 
 @pytest.mark.parametrize("n,world", [(10, 3), (7, 2), (1, 4), (64, 8)])

@@ -1,4 +1,4 @@
-"""The compact sampling loop (stages/common/decoding.py) samples from the policy and records what it sampled.
+"""The compact sampling loop (stages/rl/decoding.py) samples from the policy and records what it sampled.
 
 On CPU with the tiny model in float32, and on a GPU (`pytest -m gpu`) with the ~0.48B small-llama in
 bf16 through CUDA graphs. Each test checks one promise:
@@ -18,9 +18,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from stages.common.decoding import CompactDecoder, SamplingParams, buffer_length, ladder
-from stages.common.modeling import load_policy, load_tokenizer, token_logprobs
-from stages.common.tiny_model import create_base_model
+from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length, ladder
+from stages.rl.modeling import load_policy, load_tokenizer, token_logprobs
+from stages.rl.tiny_model import create_base_model
 
 HAS_GPU = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")])]
@@ -174,7 +174,7 @@ def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
 def test_rounds_are_planned_from_the_buffer():
     from types import SimpleNamespace
 
-    from stages.common.decoding import CompactDecoder as D
+    from stages.rl.decoding import CompactDecoder as D
 
     def plan(rows, positions, groups, remaining):
         dec = SimpleNamespace(rows=rows, positions=positions)
@@ -197,7 +197,7 @@ def test_ladder_and_buffer_shapes():
 
 
 def test_sliding_window_models_are_refused(models):
-    from stages.common.decoding import check_supported
+    from stages.rl.decoding import check_supported
     model, _, _ = models("cpu")
     config = model.config.__class__(**{**model.config.to_dict(), "layer_types": ["sliding_attention"] * 2})
     with pytest.raises(ValueError, match="generate.cache=static"):

@@ -1,6 +1,6 @@
 """The distributed runtime: the env table and the progress watchdog."""
 
-from stages.common.dist import dist_info
+from stages.runtime.dist import dist_info
 
 
 def test_env_table_slurm_and_torchrun_names():
@@ -20,7 +20,7 @@ def test_progress_watchdog_ends_a_stuck_process(tmp_path):
     import sys
     code = ("import time, logging\n"
             "logging.basicConfig()\n"
-            "from stages.common.dist import ProgressWatchdog\n"
+            "from stages.runtime.dist import ProgressWatchdog\n"
             "w = ProgressWatchdog(0.5, lambda msg: open(r'%s', 'w').write(msg))\n"
             "for _ in range(5):\n    time.sleep(0.2)\n    w.beat('stepping')\n"
             "w.beat('waiting for a peer')\n"
@@ -34,7 +34,7 @@ def test_progress_watchdog_ends_a_stuck_process(tmp_path):
 
 
 def test_communication_env_respects_the_user_and_turns_on_debug_for_retries():
-    from stages.common.dist import communication_env
+    from stages.runtime.dist import communication_env
     env = {"NCCL_DEBUG": "TRACE"}
     changed = communication_env(1, env=env)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["NCCL_DEBUG"] == "TRACE"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.paths import STAGES
+from stages.runtime.paths import STAGES
 
 pytestmark = pytest.mark.slow
 

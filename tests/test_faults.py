@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.paths import STAGES
+from stages.runtime.paths import STAGES
 from tests.slurm_fixture import SMALL_RUN, finished, job_log, job_state, rank_pid, run, sbatch, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def test_config_changed_between_run_and_resume_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     from jobs.check import resolve_paths
-    from stages.common.config import dump_config, load_config
+    from stages.runtime.config import dump_config, load_config
     cfg = load_config(ROOT / "configs" / "local_tiny.yaml", [f"run_dir={run_dir}"])
     resolve_paths(cfg)
     (run_dir / "config.yaml").write_text(dump_config(cfg))

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.common import flops
+from stages.rl import flops
 
 
 @pytest.mark.parametrize("tied,seq", [(True, 48), (False, 97)])

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.common import markers
-from stages.common.config import config_hash, dump_config, load_config
-from stages.common.paths import RunPaths
+from stages.runtime import markers
+from stages.runtime.config import config_hash, dump_config, load_config
+from stages.runtime.paths import RunPaths
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,11 +6,11 @@ If the two disagreed, the PPO ratio would start away from 1 and clipping would b
 import pytest
 import torch
 
-from stages.common.config import GenerateConfig
-from stages.common.modeling import load_policy, load_tokenizer, token_logprobs
-from stages.common.tiny_model import create_base_model
 from stages.generate import sample_rows, sample_seed
-from stages.common.batches import collate, sequence_logprobs
+from stages.rl.batches import collate, sequence_logprobs
+from stages.rl.modeling import load_policy, load_tokenizer, token_logprobs
+from stages.rl.tiny_model import create_base_model
+from stages.runtime.config import GenerateConfig
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache, logp
 
 
 def test_completion_logprobs_do_not_depend_on_how_rows_are_batched(policy, monkeypatch):
-    import stages.common.batches as batches
+    import stages.rl.batches as batches
 
     model, _ = policy
     rows = sample(policy, 2, GenerateConfig(attempts=3, max_new_tokens=6, logprobs="recompute"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.paths import STAGES
+from stages.runtime.paths import STAGES
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from jobs.launchers import LocalLauncher, SrunLauncher, make_launcher
-from stages.common.config import SlurmConfig, load_config
-from stages.common.paths import RunPaths
+from stages.runtime.config import SlurmConfig, load_config
+from stages.runtime.paths import RunPaths
 
 
 def test_local_generate_groups_take_a_slice_of_the_gpus(monkeypatch):

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from stages.common.loss import ppo_clip_loss
-from stages.common.modeling import token_logprobs
+from stages.rl.loss import ppo_clip_loss
+from stages.rl.modeling import token_logprobs
 
 
 def test_ppo_clip_hand_computed():
@@ -56,7 +56,7 @@ def test_token_logprobs_temperature():
 
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
 def test_token_logprobs_value_and_gradient_match_log_softmax(dtype, temperature, monkeypatch):
-    import stages.common.modeling as modeling
+    import stages.rl.modeling as modeling
 
     monkeypatch.setattr(modeling, "_CHUNK_ELEMENTS", 5 * 11)  # several chunks of rows, and a ragged last one
     torch.manual_seed(0)

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from stages.common import markers
-from stages.common.paths import RunPaths
+from stages.runtime import markers
+from stages.runtime.paths import RunPaths
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_attempt_numbering(paths):
 
 def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
     """SIGTERM unwinds the coordinator as KeyboardInterrupt, possibly mid-write."""
-    from stages.common.markers import write_json_atomic, write_jsonl_atomic
+    from stages.runtime.markers import write_json_atomic, write_jsonl_atomic
 
     target = tmp_path / "state.json"
     write_json_atomic(target, {"state": "running"})

@@ -3,7 +3,7 @@
 import json
 
 from jobs.metrics import MetricsLog, stage_metrics
-from stages.common.config import load_config
+from stages.runtime.config import load_config
 
 
 def test_stage_metrics_flatten_numbers_only():
@@ -31,7 +31,7 @@ def test_report_figure_has_whole_iteration_ticks_and_names_the_run(tmp_path):
 
     matplotlib.use("Agg")
     from jobs.report import report_figure
-    from stages.common.paths import STAGES
+    from stages.runtime.paths import STAGES
 
     rows = [{"iteration": i, "reward_mean": 0.1 * i, "accuracy": 0.05 * i, **{f"{s}_s": 1.0 for s in STAGES}}
             for i in range(2)]

@@ -1,4 +1,4 @@
-"""The fused RMSNorm (model.fused_rms_norm, stages/common/modeling.py) computes what HF's forward does.
+"""The fused RMSNorm (model.fused_rms_norm, stages/rl/modeling.py) computes what HF's forward does.
 
 On CPU in float32 F.rms_norm runs the same arithmetic, so logits and gradients are equal; on a GPU
 (`pytest -m gpu`) in bf16 the fused kernel rounds once where HF rounds twice, so they agree within
@@ -8,8 +8,8 @@ bf16 tolerance.
 import pytest
 import torch
 
-from stages.common.modeling import fuse_rms_norms, load_policy
-from stages.common.tiny_model import create_base_model
+from stages.rl.modeling import fuse_rms_norms, load_policy
+from stages.rl.tiny_model import create_base_model
 
 HAS_GPU = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")])]

@@ -1,8 +1,8 @@
-"""The stage table (stages/common/pipeline.py) and the one upstream check the harness runs from it."""
+"""The stage table (stages/runtime/pipeline.py) and the one upstream check the harness runs from it."""
 
-from stages.common import markers, pipeline
-from stages.common.paths import RunPaths
-from stages.common.pipeline import PIPELINE, STAGES, Need
+from stages.runtime import markers, pipeline
+from stages.runtime.paths import RunPaths
+from stages.runtime.pipeline import PIPELINE, STAGES, Need
 
 
 def test_the_table_is_consistent():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.paths import STAGES
+from stages.runtime.paths import STAGES
 from tests.slurm_fixture import SMALL_RUN, finished, job_log, job_state, rank_pid, run, sbatch, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""A stage process ends with os._exit (stages/common/stage.py exit_now): nothing it printed may be lost."""
+"""A stage process ends with os._exit (stages/runtime/stage.py exit_now): nothing it printed may be lost."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import ctypes, logging, sys
-from stages.common.stage import exit_now
+from stages.runtime.stage import exit_now
 logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
 logging.info("from logging")
 print("from python")

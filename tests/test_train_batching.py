@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.common.tiny_model import create_base_model
+from stages.rl.tiny_model import create_base_model
 from stages.train import MICRO_BATCH_POSITIONS, token_budget_groups
 from tests.workers.step_gradients import train_rows
 

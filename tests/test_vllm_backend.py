@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.common.batches import collate, sequence_logprobs
-from stages.common.config import GenerateConfig
-from stages.common.modeling import load_policy, load_tokenizer
-from stages.common.tiny_model import create_base_model
-from stages.common.vllm_sampler import VllmSampler
 from stages.generate import sample_batch
+from stages.rl.batches import collate, sequence_logprobs
+from stages.rl.modeling import load_policy, load_tokenizer
+from stages.rl.tiny_model import create_base_model
+from stages.rl.vllm_sampler import VllmSampler
+from stages.runtime.config import GenerateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDINS = Path(__file__).parent / "standins"

@@ -17,7 +17,7 @@ torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go t
   pinned    save.use_pinned_memory_for_d2h = True
   mmap      load.mmap = True (tensors come straight from the page cache the write filled)
 
-syncrl's train and save stages use nocrc+pinned+mmap (stages/common/serialization.py).
+syncrl's train and save stages use nocrc+pinned+mmap (stages/rl/serialization.py).
 
     python -m torch.distributed.run --nproc-per-node N tests/benchmarks/checkpoint_io.py \\
         [--preset small-llama] [--dir /tmp/syncrl-ckpt] [--repeats 2] [--variants default,nocrc,nocrc+mmap]
@@ -81,8 +81,8 @@ def main() -> int:
     import torch.distributed as tdist
     from torch.utils.serialization import config as ser
 
-    from stages.common.modeling import load_policy
-    from stages.common.tiny_model import create_base_model
+    from stages.rl.modeling import load_policy
+    from stages.rl.tiny_model import create_base_model
 
     sys.path.insert(0, str(Path(__file__).parent))
     from train_mfu import join_process_group

@@ -1,4 +1,4 @@
-"""Benchmark: one decode step of the compact sampler (stages/common/decoding.py) at fixed shapes.
+"""Benchmark: one decode step of the compact sampler (stages/rl/decoding.py) at fixed shapes.
 
 Builds the model (small-llama, bf16), a CompactDecoder, fills its buffer with one prefill, then
 times each (rows, attended positions) step replayed as a CUDA graph (median of CUDA-event timings),
@@ -34,9 +34,9 @@ def main() -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from stages.common.decoding import CompactDecoder
-    from stages.common.modeling import load_policy
-    from stages.common.tiny_model import create_base_model
+    from stages.rl.decoding import CompactDecoder
+    from stages.rl.modeling import load_policy
+    from stages.rl.tiny_model import create_base_model
 
     path = create_base_model(Path(tempfile.mkdtemp()) / "base", args.preset)
     model = load_policy(path, "bfloat16", torch.device("cuda")).eval()
@@ -83,7 +83,7 @@ def profile(model, args, b: int, attend: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from stages.common.decoding import CompactDecoder
+    from stages.rl.decoding import CompactDecoder
 
     dec = CompactDecoder(model, args.rows, args.length, cuda_graphs=False, decode_attention=args.backends == "matmul")
     with torch.no_grad():

@@ -59,7 +59,7 @@ def main() -> int:
         print("RESULT " + json.dumps(run_mode(args, mode, Path(model_dir))), flush=True)
         return 0
 
-    from stages.common.tiny_model import create_base_model
+    from stages.rl.tiny_model import create_base_model
 
     model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset)
     weights, kv = model_bytes(model_dir)
@@ -108,13 +108,13 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
 
     import yaml
 
-    from stages.common.config import DataConfig, GenerateConfig
-    from stages.common.data import iteration_prompts, synthetic_problems
-    from stages.common.modeling import device_for, load_policy, load_tokenizer
+    from stages.runtime.config import DataConfig, GenerateConfig
+    from stages.runtime.data import iteration_prompts, synthetic_problems
+    from stages.rl.modeling import device_for, load_policy, load_tokenizer
     from stages.generate import sample_rows
 
     if args.matmul_below is not None:
-        from stages.common import decoding
+        from stages.rl import decoding
 
         decoding.MATMUL_ATTENTION_BELOW = args.matmul_below
     cache, _, rest = mode.partition(":")

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stages.common.paths import STAGES  # noqa: E402 (needs ROOT on the path)
+from stages.runtime.paths import STAGES  # noqa: E402 (needs ROOT on the path)
 from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, bound, model_bytes  # noqa: E402
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
 
@@ -278,7 +278,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  MFU, loss tokens     ", col("train", "mfu", "{:>9.2%}"))
     print("  MFU, all positions   ", col("train", "mfu_positions", "{:>9.2%}"))
     print("  MFU, model FLOPs     ", col("train", "mfu_model", "{:>9.2%}"))
-    print("  (model FLOPs: the train marker's, stages/common/flops.py: forward 2*N*s + 4*L*d*s^2 per sequence, x3 "
+    print("  (model FLOPs: the train marker's, stages/rl/flops.py: forward 2*N*s + 4*L*d*s^2 per sequence, x3 "
           "for training, + a reference forward with KL)")
     print(f"  MFU = 6 * N * tokens / (train_s * n_gpus * peak), N = {n_params:,} non-embedding parameters, "
           f"peak = {peak:.3g} FLOP/s per GPU; attention-score FLOPs not counted")

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stages.common.paths import STAGES  # noqa: E402 (needs ROOT on the path)
+from stages.runtime.paths import STAGES  # noqa: E402 (needs ROOT on the path)
 
 
 def main() -> int:

@@ -1,10 +1,10 @@
 """Benchmark: the train stage's update step alone, at a fixed sequence length, across DeepSpeed setups.
 
-Runs syncrl's own micro-step (stages.common.batches.collate + stages.train.micro_step: forward, PPO-clip loss, backward,
+Runs syncrl's own micro-step (stages.rl.batches.collate + stages.train.micro_step: forward, PPO-clip loss, backward,
 then engine.step) on synthetic rollouts of exactly --seq tokens (128 prompt + the rest completion),
 one optimizer step per micro-batch, for each variant given, in one process group. Prints per variant:
 seconds per step, tokens/s over all GPUs, model FLOPs utilisation (formula printed, see
-stages/common/flops.py), the 6*N-only figure for comparison, and peak GPU memory.
+stages/rl/flops.py), the 6*N-only figure for comparison, and peak GPU memory.
 
 A variant is colon-separated: zN (ZeRO stage N, with configs/ds_zero3_multinode.json for 3 and
 configs/ds_zero2_gpu.json with its stage set to N below), mB (micro-batch per GPU), and optionally
@@ -77,7 +77,7 @@ def build_in_place(name: str, ds: dict, dtype: str):
     sys.path.insert(0, str(Path(__file__).parent))
     from shapes import SHAPES
 
-    from stages.common.tiny_model import PRESETS, llama_config
+    from stages.rl.tiny_model import PRESETS, llama_config
 
     shapes = {**PRESETS, **SHAPES}  # the built-in presets too: the same path, small enough for CPU
     if name not in shapes:
@@ -97,8 +97,8 @@ def join_process_group():
     then makes the group itself); returns (rank, world size, this rank's device)."""
     import deepspeed
 
-    from stages.common import dist
-    from stages.common.modeling import device_for
+    from stages.runtime import dist
+    from stages.rl.modeling import device_for
     from stages.train import _skip_cpu_inference_op
 
     info = dist.dist_info()
@@ -131,10 +131,10 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.common import flops
-    from stages.common.modeling import load_policy
-    from stages.common.tiny_model import create_base_model
-    from stages.common.batches import collate
+    from stages.rl import flops
+    from stages.rl.modeling import load_policy
+    from stages.rl.tiny_model import create_base_model
+    from stages.rl.batches import collate
     from stages.train import micro_step
 
     rank, world, device = join_process_group()

@@ -39,8 +39,8 @@ from transformers import TrainerCallback
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stages.common.config import ConfigError, load_config  # noqa: E402 (needs ROOT on the path)
-from stages.common.data import iteration_prompts, load_problems  # noqa: E402
+from stages.runtime.config import ConfigError, load_config  # noqa: E402 (needs ROOT on the path)
+from stages.runtime.data import iteration_prompts, load_problems  # noqa: E402
 from stages.score import reward_fields  # noqa: E402
 
 # Measured from the process's creation, not from this line, so interpreter start-up and imports count
@@ -152,7 +152,7 @@ def run(cfg, args) -> dict | None:
     model_dir = out / f"base_{cfg.model.preset}_seed{cfg.seed}"
     with grpo_args.main_process_first(desc="base model"):
         if not model_dir.is_dir():
-            from stages.common.tiny_model import create_base_model
+            from stages.rl.tiny_model import create_base_model
             create_base_model(model_dir, cfg.model.preset, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
 

@@ -35,10 +35,10 @@ def main() -> int:
     import torch.distributed as tdist
     from deepspeed.utils import safe_get_full_grad
 
-    from stages.common.config import load_config
-    from stages.common.modeling import load_policy
+    from stages.runtime.config import load_config
+    from stages.rl.modeling import load_policy
     from stages.train import deepspeed_config, micro_step, optimizer_steps
-    from stages.common.batches import collate
+    from stages.rl.batches import collate
 
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -2,7 +2,7 @@
 
 vLLM cannot run on the machines here: CI has no GPU, and its wheels are too large to reach the GPU
 machines. This package implements the part of vLLM's documented API that syncrl's vllm backend
-calls (stages/common/vllm_sampler.py), sampling with the HF model underneath, so that the backend's
+calls (stages/rl/vllm_sampler.py), sampling with the HF model underneath, so that the backend's
 wiring (arguments, output order, end-of-sequence handling, seeding) runs for real around it. Each
 LLM records its constructor arguments, every SamplingParams it received and every result it
 returned in CALLS.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stages.common.modeling import token_logprobs
+from stages.rl.modeling import token_logprobs
 
 # SDPA backends for these passes: every backend but cuDNN's. cuDNN builds an execution plan for each
 # new (rows, width) shape, tens to hundreds of ms each, and these passes see a new shape at almost

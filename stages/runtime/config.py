@@ -31,7 +31,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
     # The RMSNorms of Llama, Mistral and Qwen layers run torch's fused kernel (F.rms_norm) in generate
-    # and train instead of HF's unfused forward (stages/common/modeling.py, fuse_rms_norms). Off until
+    # and train instead of HF's unfused forward (stages/rl/modeling.py, fuse_rms_norms). Off until
     # it is measured on a GPU (tests/benchmarks/train_mfu.py, variant "fused").
     fused_rms_norm: bool = False
 
@@ -79,7 +79,7 @@ class GenerateConfig:
     # of the GPU memory free after the model is loaded (the compact cache; on CPU, all of a rank's).
     batch_size: int = 0
     backend: str = "hf"
-    # How the HF backend decodes. "compact" (stages/common/decoding.py): syncrl's own loop over the
+    # How the HF backend decodes. "compact" (stages/rl/decoding.py): syncrl's own loop over the
     # model's forward; one preallocated KV buffer, finished sequences leave the batch, attention reads
     # only the written prefix, and on GPU each decode step is a replayed CUDA graph. "static" is HF
     # generate() with a preallocated cache (every sequence of a call runs until the longest stops,

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from stages.common.pipeline import MULTI_RANK_STAGES, STAGES  # noqa: F401 (re-exported: the layout's stage names)
+from stages.runtime.pipeline import MULTI_RANK_STAGES, STAGES  # noqa: F401 (re-exported: the layout's stage names)
 
 
 class RunPaths:

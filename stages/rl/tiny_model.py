@@ -1,6 +1,6 @@
 """Built-in base models, created locally from a config so that no model hub is needed.
 
-    python -m stages.common.tiny_model OUT_DIR [--preset tiny-llama] [--seed 0]
+    python -m stages.rl.tiny_model OUT_DIR [--preset tiny-llama] [--seed 0]
 
 (the coordinator and `syncrl init-model` run it so, which keeps them free of torch).
 
@@ -15,7 +15,7 @@ import string
 import tempfile
 from pathlib import Path
 
-from stages.common.markers import write_json_atomic
+from stages.runtime.markers import write_json_atomic
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m stages.common.tiny_model", description=create_base_model.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stages.rl.tiny_model", description=create_base_model.__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--preset", default="tiny-llama", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)

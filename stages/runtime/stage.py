@@ -16,12 +16,12 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import markers, pipeline
-from stages.common.config import ConfigError, RunConfig, config_hash, load_config
-from stages.common.dist import DistInfo, destroy_process_group, dist_info
-from stages.common.logs import recent_lines, setup_logging
-from stages.common.memory import memory_report
-from stages.common.paths import RunPaths
+from stages.runtime import markers, pipeline
+from stages.runtime.config import ConfigError, RunConfig, config_hash, load_config
+from stages.runtime.dist import DistInfo, destroy_process_group, dist_info
+from stages.runtime.logs import recent_lines, setup_logging
+from stages.runtime.memory import memory_report
+from stages.runtime.paths import RunPaths
 
 log = logging.getLogger("syncrl.stage")
 

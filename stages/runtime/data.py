@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from stages.common.config import ConfigError, DataConfig, read_text_file
+from stages.runtime.config import ConfigError, DataConfig, read_text_file
 
 
 def load_problems(cfg: DataConfig, seed: int) -> list[dict]:

@@ -19,8 +19,8 @@ import socket
 import time
 from pathlib import Path
 
-from stages.common import pipeline
-from stages.common.paths import RunPaths
+from stages.runtime import pipeline
+from stages.runtime.paths import RunPaths
 
 # Files above this are recorded by size only: hashing a 140 GB checkpoint on every marker would cost
 # minutes of allocation time for little safety over the size check.

@@ -2,7 +2,7 @@
 
 The engine loads the export the HF path would load (models/iter_{I-1}, or the base model) and
 spreads it over generate.gpus_per_process GPUs by tensor parallelism. It returns token ids only:
-the old log-probs still come from the policy's own forward pass (stages/common/batches.py), the
+the old log-probs still come from the policy's own forward pass (stages/rl/batches.py), the
 pass train runs, so a difference between vLLM's kernels and train's cannot move the PPO ratio away
 from 1. That pass needs the HF model beside the engine: generate.vllm_memory_fraction leaves it room.
 """
