@@ -100,7 +100,7 @@ class MetricsLog:
 
     def run_id(self) -> str:
         """The W&B run id of this RL run, created once and kept in the run dir."""
-        path = self.paths.root / "wandb_run_id"
+        path = self.paths.wandb_run_id
         if not path.is_file():
             write_text_atomic(path, uuid.uuid4().hex[:12] + "\n")
         return path.read_text().strip()

@@ -39,13 +39,11 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[Path, Path]:
     import matplotlib.pyplot as plt
 
     rows = collect(run_dir)
-    out = Path(out_dir or run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    png, md = RunPaths(run_dir).report(out_dir)
+    png.parent.mkdir(parents=True, exist_ok=True)
     fig = report_figure(rows, run_dir)
-    png = out / "report.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    md = out / "report.md"
     md.write_text(markdown(rows, png.name))
     return png, md
 

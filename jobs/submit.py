@@ -15,6 +15,7 @@ from pathlib import Path
 import submitit
 
 from stages.runtime.config import RunConfig
+from stages.runtime.paths import RunPaths
 
 log = logging.getLogger("syncrl.submit")
 
@@ -32,7 +33,7 @@ class CoordinatorJob(submitit.helpers.Checkpointable):
 
         setup_coordinator_logging()
         try:
-            code = run(str(Path(self.run_dir) / "config.yaml"), [], "srun")
+            code = run(str(RunPaths(self.run_dir).config), [], "srun")
         except ConfigError as e:  # one message, not a traceback, in the job log
             raise RuntimeError(f"syncrl run refused the run: {e}") from None
         if code != 0:

@@ -40,12 +40,12 @@ def main(ctx: StageContext) -> None:
     g = ctx.cfg.gather
     kept, counts = build_train_set(rows, g.advantage, g.normalize_std, g.drop_zero_variance, g.rejection_sampling)
     stats = iteration_stats(rows, kept, counts)
-    out = ctx.out_dir / "train.jsonl"
+    out, stats_file = ctx.paths.train_set(ctx.iteration), ctx.paths.gather_stats(ctx.iteration)
     write_jsonl_atomic(out, ({k: r[k] for k in TRAIN_FIELDS} for r in kept))
-    write_json_atomic(ctx.out_dir / "stats.json", stats)
+    write_json_atomic(stats_file, stats)
     ctx.summarize("iteration %d: %d completions from %d ranks, reward %.3f, accuracy %.3f, %d rows to train",
                   ctx.iteration, len(rows), world, stats["reward_mean"], stats["accuracy"], len(kept))
-    ctx.write_marker([out, ctx.out_dir / "stats.json"], extra={"rows": len(kept), "stats": stats})
+    ctx.write_marker([out, stats_file], extra={"rows": len(kept), "stats": stats})
 
 
 def read_shard(ctx: StageContext, rank: int) -> list[dict]:

@@ -126,7 +126,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     save_s = time.time() - t2
     outputs = []
     if ctx.rank == 0:
-        curve = ctx.out_dir / "metrics.jsonl"
+        curve = ctx.paths.train_curve(ctx.iteration)
         write_jsonl_atomic(curve, history)
         outputs = [ctx.paths.checkpoints / tag, curve]
     totals = _all_reduce_sums(totals, run.device)
@@ -207,7 +207,7 @@ def load_reference(ctx: StageContext, device):
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:
-    return read_jsonl(ctx.paths.stage_dir(ctx.iteration, "gather") / "train.jsonl")
+    return read_jsonl(ctx.paths.train_set(ctx.iteration))
 
 
 def deepspeed_config(ctx: StageContext) -> dict:

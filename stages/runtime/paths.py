@@ -37,6 +37,16 @@ class RunPaths:
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def wandb_run_id(self) -> Path:
+        """The W&B run's id, so that a requeued coordinator resumes the same W&B run."""
+        return self.root / "wandb_run_id"
+
+    def report(self, out: Path | None = None) -> tuple[Path, Path]:
+        """`syncrl report`'s figure and table, in the run dir unless `out` is given."""
+        folder = Path(out) if out is not None else self.root
+        return folder / "report.png", folder / "report.md"
+
     def iteration(self, it: int) -> Path:
         return self.root / f"iter_{it:05d}"
 
@@ -48,6 +58,17 @@ class RunPaths:
 
     def shard(self, it: int, stage: str, rank: int) -> Path:
         return self.stage_dir(it, stage) / f"rank_{rank:05d}.jsonl"
+
+    def train_set(self, it: int) -> Path:
+        """Gather's output: the rows train learns from, with their advantages."""
+        return self.stage_dir(it, "gather") / "train.jsonl"
+
+    def gather_stats(self, it: int) -> Path:
+        return self.stage_dir(it, "gather") / "stats.json"
+
+    def train_curve(self, it: int) -> Path:
+        """Train's loss curve: one line per optimizer step."""
+        return self.stage_dir(it, "train") / "metrics.jsonl"
 
     def model(self, it: int) -> Path:
         return self.models / f"iter_{it:05d}"

@@ -177,7 +177,7 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         engine.train()
 
-        def run(steps):
+        def run(steps, engine=engine, ref=ref):
             for batch in steps:
                 micro_step(engine, ref, batch, train_cfg, 1.0)
                 engine.step()
@@ -195,7 +195,8 @@ def main() -> int:
         if args.profile:
             from tests.benchmarks.profiling import profiled
 
-            profiled(lambda: run(batches[args.warmup:]), device)
+            timed_batches = batches[args.warmup:]
+            profiled(lambda: run(timed_batches), device)
         else:
             run(batches[args.warmup:])
         if device.type == "cuda":
