@@ -19,9 +19,8 @@ in rows shorter than the longest completion: the few still going when their row 
 spilled, and a later round continues them in longer rows, prefilled from their tokens so far. RL
 completions are mostly far shorter than the cap, so this decodes one tail of steps where calls of
 full-length rows would each decode their own. Prompts are prefilled once and their cache copied to
-each attempt. Sampling is HF's: temperature, then top-p, then a draw
-from the softmax, each sequence keeping its end-of-sequence token and stopping there or at
-max_new_tokens. The model is used only through its forward (input ids, position ids, a 4-D additive
+each attempt. Sampling is HF's: temperature, then top-p, then a draw from the softmax, each sequence
+keeping its end-of-sequence token and stopping there or at max_new_tokens. The model is used only through its forward (input ids, position ids, a 4-D additive
 mask, a cache object with `update`), so any HF decoder whose layers all use full attention works;
 others are refused with the setting to use instead.
 """
