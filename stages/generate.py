@@ -97,13 +97,10 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
         stats["sample_s"] = time.time() - t0
         rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
         t0 = time.time()
-        if logprobs is None:
-            add_logprobs(model, rows, g, device)
-        else:
-            for r, lp in zip(rows, logprobs):
-                r["logprobs"] = [round(x, 6) for x in lp[:len(r["completion_ids"])]]
+        recorded = logprobs is not None
+        add_logprobs(rows, logprobs if recorded else completion_logprobs(model, rows, g.temperature, device))
         stats["logprob_pass_s"] = time.time() - t0
-        stats["logprobs"] = "sampler" if logprobs is not None else "recompute"
+        stats["logprobs"] = "sampler" if recorded else "recompute"
         return rows, stats
     per_call = max(1, (g.batch_size or 64) // g.attempts)
     rows = []
@@ -154,7 +151,7 @@ def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -
     else:
         prompt_ids, completions = sample_generate(model, tokenizer, items, g, device)
     rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
-    add_logprobs(model, rows, g, device)
+    add_logprobs(rows, completion_logprobs(model, rows, g.temperature, device))
     return rows
 
 
@@ -180,8 +177,9 @@ def completion_rows(tokenizer, items: list[dict], g, prompt_ids: list, completio
     return rows
 
 
-def add_logprobs(model, rows: list[dict], g, device) -> None:
-    for r, logprobs in zip(rows, completion_logprobs(model, rows, g.temperature, device)):
+def add_logprobs(rows: list[dict], per_row: list[list[float]]) -> None:
+    """Each row's log-probs of its completion tokens, as the shard records them."""
+    for r, logprobs in zip(rows, per_row):
         r["logprobs"] = [round(x, 6) for x in logprobs]
 
 

@@ -21,9 +21,8 @@ from scipy.stats import chisquare
 from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length, ladder
 from stages.rl.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.rl.tiny_model import create_base_model
+from tests.devices import DEVICES
 
-HAS_GPU = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")])]
 PROMPTS = ["1+2=", "12+30=", "4+4=", "100+2000=", "7+1="]
 
 
@@ -68,6 +67,17 @@ def teacher_forced(model, prompt, completion, temperature):
     return token_logprobs(logits[:, len(prompt) - 1:-1], x[:, len(prompt):], temperature)[0].cpu()
 
 
+def assert_teacher_forced(model, prompts, attempts, ids, lps, temperature, device):
+    """Every recorded log-prob equals the teacher-forced pass's over its finished sequence."""
+    diffs = torch.cat([(teacher_forced(model, prompts[j // attempts], c, temperature) - torch.tensor(lp)).abs()
+                       for j, (c, lp) in enumerate(zip(ids, lps))])
+    assert diffs.numel() == sum(len(c) for c in ids)
+    if device == "cpu":  # float32: the same arithmetic up to summation order
+        assert diffs.max() < 1e-4, diffs.max()
+    else:  # bf16 activations, different kernels (decode vs full-sequence attention)
+        assert diffs.mean() < 0.02 and torch.quantile(diffs.float(), 0.99) < 0.1, (diffs.mean(), diffs.max())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_decode_logprobs_equal_a_teacher_forced_pass(models, device, temperature):
@@ -80,13 +90,7 @@ def test_decode_logprobs_equal_a_teacher_forced_pass(models, device, temperature
     assert dec.stats.calls == 3 and dec.stats.compactions > 0
     if device == "cuda":
         assert dec.stats.graphs > 0
-    diffs = torch.cat([(teacher_forced(model, prompts[j // 6], c, temperature) - torch.tensor(lp)).abs()
-                       for j, (c, lp) in enumerate(zip(ids, lps))])
-    assert diffs.numel() == sum(len(c) for c in ids)
-    if device == "cpu":  # float32: the same arithmetic up to summation order
-        assert diffs.max() < 1e-4, diffs.max()
-    else:  # bf16 activations, different kernels (decode vs full-sequence attention)
-        assert diffs.mean() < 0.02 and torch.quantile(diffs.float(), 0.99) < 0.1, (diffs.mean(), diffs.max())
+    assert_teacher_forced(model, prompts, 6, ids, lps, temperature, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -161,12 +165,7 @@ def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
     assert max(len(c) for c in ids) > 128 - max(map(len, prompts)) + 1 and any(c[-1] == frequent for c in ids)
     for c, lp in zip(ids, lps):
         assert frequent not in c[:-1] and (len(c) == 200 or c[-1] == frequent) and len(lp) == len(c)
-    diffs = torch.cat([(teacher_forced(model, prompts[j // 6], c, params.temperature) - torch.tensor(lp)).abs()
-                       for j, (c, lp) in enumerate(zip(ids, lps))])
-    if device == "cpu":
-        assert diffs.max() < 1e-4, diffs.max()
-    else:
-        assert diffs.mean() < 0.02 and torch.quantile(diffs.float(), 0.99) < 0.1, (diffs.mean(), diffs.max())
+    assert_teacher_forced(model, prompts, 6, ids, lps, params.temperature, device)
     again, _ = decode(model, prompts, 6, params, seed=4, positions=30 * 128)
     assert again == ids
 

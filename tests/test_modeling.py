@@ -10,9 +10,8 @@ import torch
 
 from stages.rl.modeling import fuse_rms_norms, load_policy
 from stages.rl.tiny_model import create_base_model
+from tests.devices import DEVICES
 
-HAS_GPU = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)

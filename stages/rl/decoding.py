@@ -20,9 +20,10 @@ spilled, and a later round continues them in longer rows, prefilled from their t
 completions are mostly far shorter than the cap, so this decodes one tail of steps where calls of
 full-length rows would each decode their own. Prompts are prefilled once and their cache copied to
 each attempt. Sampling is HF's: temperature, then top-p, then a draw from the softmax, each sequence
-keeping its end-of-sequence token and stopping there or at max_new_tokens. The model is used only through its forward (input ids, position ids, a 4-D additive
-mask, a cache object with `update`), so any HF decoder whose layers all use full attention works;
-others are refused with the setting to use instead.
+keeping its end-of-sequence token and stopping there or at max_new_tokens. The model is used only
+through its forward (input ids, position ids, a 4-D additive mask, a cache object with `update`),
+so any HF decoder whose layers all use full attention works; others are refused with the setting to
+use instead.
 """
 
 from __future__ import annotations

@@ -126,13 +126,16 @@ class GenerateConfig:
         _choice("generate.backend", self.backend, ("hf", "vllm"))
         _choice("generate.cache", self.cache, ("compact", "static", "dynamic"))
         _choice("generate.logprobs", self.logprobs, ("auto", "sampler", "recompute"))
-        if self.logprobs == "sampler" and (self.cache != "compact" or self.backend != "hf"):
+        if self.logprobs == "sampler" and not self._sampler_records_logprobs():
             raise ConfigError(f"generate.logprobs=sampler needs generate.cache=compact and backend=hf (got "
                               f"cache={self.cache}, backend={self.backend}): set generate.logprobs=recompute")
 
+    def _sampler_records_logprobs(self) -> bool:
+        return self.cache == "compact" and self.backend == "hf"
+
     def logprobs_from_sampler(self) -> bool:
-        return self.logprobs == "sampler" or (self.logprobs == "auto" and self.cache == "compact"
-                                               and self.backend == "hf")
+        # "sampler" with another sampler was refused above.
+        return self.logprobs != "recompute" and self._sampler_records_logprobs()
 
 
 @dataclass
