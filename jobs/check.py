@@ -216,7 +216,27 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
     if stage not in (1, 2, 3):
         problems.append(f"{key} {path}: zero_optimization.stage is {stage}; syncrl's save stage consolidates "
                         "ZeRO shards, so use stage 1, 2 or 3")
+    if cfg.train.local_checkpoint_dir:
+        problems += local_checkpoint_problems(cfg, stage, path)
     problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
+    return problems
+
+
+def local_checkpoint_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[str]:
+    """Node-local checkpoints need save to find the whole weights in one node's copy (ZeRO 1 or 2),
+    in the dtype it exports."""
+    problems = []
+    if zero_stage == 3:
+        problems.append(f"train.local_checkpoint_dir is set but {ds_path} uses ZeRO stage 3, whose weights are "
+                        "spread over every node's shards: unset train.local_checkpoint_dir, or use ZeRO stage 1 or 2")
+    export = cfg.save.export_dtype
+    if export not in ("model", cfg.model.dtype):
+        problems.append(f"train.local_checkpoint_dir is set, so save exports the weights in the training dtype "
+                        f"(model.dtype {cfg.model.dtype}), not save.export_dtype {export}: set save.export_dtype: model")
+    base = os.path.expandvars(cfg.train.local_checkpoint_dir)
+    if "$" not in base and not os.path.isabs(os.path.expanduser(base)):
+        problems.append(f"train.local_checkpoint_dir {cfg.train.local_checkpoint_dir!r} must be an absolute path "
+                        "on each node (/dev/shm/syncrl, a local disk, or $SLURM_TMPDIR)")
     return problems
 
 

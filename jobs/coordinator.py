@@ -87,6 +87,8 @@ class Coordinator:
         self.metrics = MetricsLog(cfg)
         # (it, stage) -> (started step, attempt, the marker it waits for)
         self.early: dict[tuple[int, str], tuple[object, int, Path]] = {}
+        # (it, stage) -> (started step, attempt, start time) of a background stage not yet joined
+        self.background: dict[tuple[int, str], tuple[object, int, float]] = {}
         self.start_early = False
 
     def run(self) -> None:
@@ -95,6 +97,8 @@ class Coordinator:
             self.start_early = self._starts_early()
             for it in range(self.cfg.iterations):
                 self.run_iteration(it)
+            for key in sorted(self.background):
+                self.run_stage(*key)
             log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
                      self.paths.root)
 
@@ -111,9 +115,10 @@ class Coordinator:
         try:
             yield
         finally:
-            for step, _, _ in self.early.values():
+            for step, _, _ in [*self.early.values(), *self.background.values()]:
                 step.cancel()
             self.early.clear()
+            self.background.clear()
             signal.signal(signal.SIGTERM, previous)
             self.metrics.close()
             lock.release()
@@ -139,27 +144,57 @@ class Coordinator:
         t0 = time.time()
         stage_s = 0.0
         for stage in STAGES:
-            stage_s += self.run_stage(it, stage)
+            if pipeline.stage(stage).done_before:
+                self._start_background(it, stage)
+            else:
+                stage_s += self.run_stage(it, stage)
         total = time.time() - t0
         stats = markers.read_marker(self.paths, it, "gather") or {}
         s = stats.get("stats", {})
         log.info("iteration %d done in %.1fs (coordinator overhead %.2fs): reward %.3f accuracy %.3f",
                  it, total, total - stage_s, s.get("reward_mean", float("nan")), s.get("accuracy", float("nan")))
 
-    def run_stage(self, it: int, stage: str) -> float:
-        """Run one stage to completion (or raise StageFailed); returns the seconds spent in launches."""
+    def _needs_doing(self, it: int, stage: str) -> str | None:
+        """The stage's input fingerprint when it must run (its stale markers cleared), else None."""
         inputs = markers.input_fingerprint(self.paths, it, stage, base_model_id(self.cfg))
         marker = markers.read_marker(self.paths, it, stage)
         problem = markers.marker_problem(self.paths, marker, self.chash, inputs)
         if problem is None:
             log.info("iteration %d %-8s already done, skipping", it, stage)
-            return 0.0
+            return None
         if marker is not None:
             log.info("iteration %d %-8s redoing: %s", it, stage, problem)
             markers.clear_stage(self.paths, it, stage)
+        return inputs
+
+    def _start_background(self, it: int, stage: str) -> None:
+        """Start a background stage (the table's done_before) and return; run_stage joins it later."""
+        if (it, stage) in self.background or self._needs_doing(it, stage) is None:
+            return
+        attempt = self.paths.attempts_so_far(it, stage) + 1
+        self._write_state(it, stage, "running", attempt)
+        step = self.launcher.start(self.paths, it, stage, attempt)
+        self.background[(it, stage)] = (step, attempt, time.time())
+        log.info("iteration %d %-8s started in the background (attempt %d on %d task(s))", it, stage, attempt,
+                 self.launcher.ntasks(stage))
+
+    def _join_background_before(self, it: int, stage: str) -> None:
+        """Finish the background stages that must be done before `stage` of iteration `it` starts."""
+        for bg in pipeline.PIPELINE:
+            if bg.done_before and bg.done_before[0] == stage and (it - bg.done_before[1], bg.name) in self.background:
+                self.run_stage(it - bg.done_before[1], bg.name)
+
+    def run_stage(self, it: int, stage: str) -> float:
+        """Run one stage to completion (or raise StageFailed); returns the seconds spent in launches.
+        A stage started in the background is joined: waited for, checked, retried if it failed."""
+        self._join_background_before(it, stage)
+        inputs = self._needs_doing(it, stage)
+        if inputs is None:
+            return 0.0
         self._start_successors_early(it, stage)
         launched = 0.0
-        first_start = time.time()
+        background = (it, stage) in self.background
+        first_start = self.background[(it, stage)][2] if background else time.time()
         retry = self.cfg.retry
         retrying = policies.stage_attempts(
             retry.attempts, retry.backoff_s, retry.max_backoff_s, StageFailed,
@@ -167,22 +202,27 @@ class Coordinator:
         for attempt_state in retrying:
             with attempt_state:
                 step, attempt = self._take_early(it, stage)
+                background = background and step is not None
                 if step is None:
                     attempt = self.paths.attempts_so_far(it, stage) + 1
                 self._write_state(it, stage, "running", attempt)
-                log.info("iteration %d %-8s %s attempt %d on %d task(s)", it, stage,
-                         "started early:" if step is not None else "launching", attempt, self.launcher.ntasks(stage))
+                how = "launching" if step is None else "joining the background" if background else "started early:"
+                log.info("iteration %d %-8s %s attempt %d on %d task(s)", it, stage, how, attempt,
+                         self.launcher.ntasks(stage))
                 if step is None:
                     result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
                 else:
                     result = step.wait(retry.stage_timeout_s)
                 launched += result.elapsed_s
                 self._check_attempt(it, stage, attempt, inputs, result)
-        # The marker below lets early-started stages waiting on it begin: they are running from then on.
+        # The marker below lets early-started stages waiting on it begin: they are running from then on,
+        # so the background stages they must follow are finished first.
         go = markers.marker_path(self.paths, it, stage)
-        for (it2, nxt), (_, early_attempt, after) in self.early.items():
-            if after == go:
-                self._write_state(it2, nxt, "running", early_attempt)
+        released = [(key, attempt) for key, (_, attempt, after) in self.early.items() if after == go]
+        for (it2, nxt), _ in released:
+            self._join_background_before(it2, nxt)
+        for (it2, nxt), early_attempt in released:
+            self._write_state(it2, nxt, "running", early_attempt)
         self._write_stage_marker(it, stage, inputs, first_start, attempt)
         return launched
 
@@ -218,7 +258,11 @@ class Coordinator:
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
 
     def _take_early(self, it: int, stage: str):
-        """This stage's early-started step, if it is alive or already succeeded; else (None, None)."""
+        """This stage's step started in the background (running or ended, its first attempt), or
+        started early, if that is alive or already succeeded; else (None, None)."""
+        if (it, stage) in self.background:
+            step, attempt, _ = self.background.pop((it, stage))
+            return step, attempt
         step, attempt, _ = self.early.pop((it, stage), (None, None, None))
         if step is not None and not step.running() and not step.wait(1).ok:
             # It ended without success, most likely before its turn (it gave up waiting, or its node

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from stages.runtime.dist import allocation, slurm_job_id
 from stages.runtime.paths import RunPaths
-from stages.runtime.pipeline import MULTI_RANK_STAGES, group_size
+from stages.runtime.pipeline import MULTI_RANK_STAGES, PER_NODE_STAGES, group_size
 from stages.runtime.stage import ATTEMPT_VAR
 
 log = logging.getLogger("syncrl.launch")
@@ -202,7 +202,7 @@ class SrunLauncher:
     """Runs each stage as one `srun` job step inside the current allocation.
 
     Multi-rank stages get `slurm.tasks_per_node` tasks on each node (generate and score one per
-    `generate.gpus_per_process` of them); gather and save one task.
+    `generate.gpus_per_process` of them); persist one task per node; gather and save one task.
     MASTER_ADDR is the first host of the step's nodes; MASTER_PORT is derived from the job id,
     iteration and attempt, so a retried train step never meets the previous attempt's rendezvous.
     """
@@ -228,14 +228,18 @@ class SrunLauncher:
         return self.cfg.tasks_per_node // group_size(stage, self.generate_group)
 
     def ntasks(self, stage: str) -> int:
-        return self.num_nodes * self.tasks_per_node(stage) if stage in MULTI_RANK_STAGES else 1
+        return self.num_nodes * self.tasks_per_node(stage) if self._all_nodes(stage) else 1
 
     def nodes(self) -> list[str]:
         return self.hosts[:self.num_nodes]
 
+    @staticmethod
+    def _all_nodes(stage: str) -> bool:
+        return stage in MULTI_RANK_STAGES or stage in PER_NODE_STAGES
+
     def command(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> tuple[list[str], dict]:
         multi = stage in MULTI_RANK_STAGES
-        nodes = self.num_nodes if multi else 1
+        nodes = self.num_nodes if self._all_nodes(stage) else 1
         log_pattern = paths.logs(iteration, stage, attempt) / "rank_%5t.log"
         cmd = ["srun", f"--nodes={nodes}", f"--ntasks={self.ntasks(stage)}",
                f"--ntasks-per-node={self.tasks_per_node(stage)}",

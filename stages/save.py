@@ -1,5 +1,9 @@
 """save: consolidate this iteration's DeepSpeed checkpoint on CPU into an HF model under models/iter_I.
 
+With node-local checkpoints (train.local_checkpoint_dir) the weights come from the model states of
+this node's copy (ZeRO 1 and 2 keep them whole there, in the training dtype), or of the durable
+copy once the persist stage has made it.
+
 No process group: one task reads the ZeRO shards from disk. The export is verified to load, then
 published by atomic rename, so generate never sees a half-written model. Old checkpoints are pruned
 per save.keep_checkpoints.
@@ -21,9 +25,9 @@ import torch
 
 from stages.rl.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
 from stages.rl.serialization import checkpoint_io
-from stages.runtime import markers
-from stages.runtime.paths import numbered
-from stages.runtime.stage import StageContext, run_stage
+from stages.runtime import local_checkpoints, markers
+from stages.runtime.dist import node_name
+from stages.runtime.stage import MissingInput, StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
 
@@ -53,7 +57,7 @@ def export_and_publish(ctx: StageContext, tag: str) -> tuple[float, float, Path]
     paths, it = ctx.paths, ctx.iteration
     t0 = time.time()
     with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
-        state = consolidate(paths.checkpoints, tag)
+        state = read_weights(ctx, tag)
     consolidate_s = time.time() - t0
     target = paths.model(it)
     tmp = target.with_name(f".{target.name}.tmp")
@@ -79,6 +83,30 @@ def preload(ctx) -> None:
     import deepspeed.utils.zero_to_fp32  # noqa: F401 (the import is the point)
 
     preload_model_code(ctx)
+
+
+def read_weights(ctx: StageContext, tag: str) -> dict:
+    """The trained weights: consolidated from the ZeRO shards in the run dir, or, when train wrote
+    node-local checkpoints, the model states of this node's copy (else of the persisted one)."""
+    recorded = (markers.read_marker(ctx.paths, ctx.iteration, "train") or {}).get("local_checkpoint")
+    if not recorded:
+        return consolidate(ctx.paths.checkpoints, tag)
+    here = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, node_name()) / tag
+    problems = []
+    for folder in (here, ctx.paths.checkpoints / tag):
+        problem = local_checkpoints.problem(folder, recorded["id"])
+        if problem is None:
+            log.info("reading the weights from %s", folder / local_checkpoints.MODEL_STATES)
+            return module_weights(folder / local_checkpoints.MODEL_STATES)
+        problems.append(problem)
+    raise MissingInput(f"iteration {ctx.iteration}: no copy of train's checkpoint is there whole ({'; '.join(problems)}): "
+                       f"redo train: syncrl rerun {ctx.paths.root} --iteration {ctx.iteration} --stage train")
+
+
+def module_weights(model_states: Path) -> dict:
+    """The module's own weights from a DeepSpeed model-states file (ZeRO 1 and 2: whole, in the
+    training dtype: the fp32 master weights rounded as the optimizer step rounded them)."""
+    return torch.load(model_states, map_location="cpu", weights_only=False)["module"]
 
 
 def consolidate(checkpoint_dir: Path, tag: str) -> dict:
@@ -119,21 +147,14 @@ def verify(out: Path, weights: dict, dtype: str) -> None:
 
 def prune_checkpoints(ctx: StageContext) -> list[str]:
     """Remove DeepSpeed checkpoints beyond save.keep_checkpoints; never one newer than this iteration."""
-    return _prune(ctx, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints)
+    return markers.prune_iterations(ctx.paths, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints, ctx.iteration)
 
 
 def prune_models(ctx: StageContext) -> list[str]:
     """Remove exported models beyond save.keep_models (0 keeps all), counting this iteration's, once published."""
-    return _prune(ctx, ctx.paths.models, ctx.cfg.save.keep_models) if ctx.cfg.save.keep_models else []
-
-
-def _prune(ctx: StageContext, parent: Path, keep: int) -> list[str]:
-    dirs = [parent / f"iter_{i:05d}" for i in numbered(parent, "iter_") if i <= ctx.iteration]
-    removed = []
-    for p in dirs[:-keep]:
-        shutil.rmtree(p)
-        removed.append(str(p.relative_to(ctx.paths.root)))
-    return removed
+    if not ctx.cfg.save.keep_models:
+        return []
+    return markers.prune_iterations(ctx.paths, ctx.paths.models, ctx.cfg.save.keep_models, ctx.iteration)
 
 
 if __name__ == "__main__":

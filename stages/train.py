@@ -1,7 +1,8 @@
 """train: one DeepSpeed process per rank over all nodes; PPO-clip on the gathered train set.
 
 Starts from the previous iteration's model and resumes optimizer state from its DeepSpeed
-checkpoint; writes checkpoints/iter_I. The process group lives for this step only: generation and
+checkpoint; writes checkpoints/iter_I, or with train.local_checkpoint_dir the same checkpoint to
+each node's fast storage (the persist stage then copies it to checkpoints/iter_I). The process group lives for this step only: generation and
 scoring never hold an idle communicator that could time out.
 
 By hand, one process per rank (here 2 on one machine; under SLURM, srun sets the layout):
@@ -17,6 +18,7 @@ import logging
 import random
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
-from stages.runtime import dist, markers
+from stages.runtime import dist, local_checkpoints, markers
 from stages.runtime.config import deepspeed_derived
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
@@ -100,11 +102,11 @@ def set_up(ctx: StageContext) -> TrainRun:
     with phases("resume_checkpoint"):
         watchdog.beat("resume optimizer state")
         resume_optimizer(ctx, engine)
-        if ctx.rank == 0:
+        folder, writer = checkpoint_folder(ctx)
+        if writer:
             # A staging directory left by an attempt that died mid-write: nobody else writes it until
             # the barrier below.
-            shutil.rmtree(ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration),
-                          ignore_errors=True)
+            shutil.rmtree(folder / ctx.paths.checkpoint_staging_tag(ctx.iteration), ignore_errors=True)
     with phases("barrier"):
         dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     watchdog.beat("train")
@@ -121,7 +123,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     t2 = time.time()
     run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    write_checkpoint(ctx, run.engine)
+    local = write_checkpoint(ctx, run.engine)
     run.watchdog.beat("finish")
     save_s = time.time() - t2
     outputs = []
@@ -129,6 +131,10 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         curve = ctx.paths.train_curve(ctx.iteration)
         write_jsonl_atomic(curve, history)
         outputs = [ctx.paths.checkpoints / tag, curve]
+        if local:
+            record = ctx.paths.local_checkpoint_record(ctx.iteration)
+            markers.write_json_atomic(record, local)
+            outputs = [record, curve]
     totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
     summary = {
@@ -144,26 +150,49 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
                   summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
     # The checkpoint is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
-    ctx.write_marker(outputs, extra={**summary, "prunable": [f"checkpoints/{tag}/"]})
+    extra = {"local_checkpoint": local} if local else {"prunable": [f"checkpoints/{tag}/"]}
+    ctx.write_marker(outputs, extra={**summary, **extra})
     run.watchdog.stop()
 
 
-def write_checkpoint(ctx: StageContext, engine) -> None:
+def checkpoint_folder(ctx: StageContext) -> tuple[Path, bool]:
+    """Where this rank writes checkpoints (the run dir's checkpoints/, or its node's local folder),
+    and whether this rank publishes there (rank 0; with local checkpoints, each node's first rank)."""
+    local = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, dist.node_name())
+    if local is None:
+        return ctx.paths.checkpoints, ctx.rank == 0
+    return local, ctx.info.local_rank == 0
+
+
+def write_checkpoint(ctx: StageContext, engine) -> dict | None:
     """DeepSpeed's checkpoint of this iteration, visible under checkpoints/iter_I only once complete.
 
     Every rank writes its shard into a staging directory; once all have (a barrier that names any
     rank that did not), rank 0 renames it into place. A full disk or a killed rank leaves at most
     the staging directory, which the next attempt clears, and never a checkpoint that looks whole.
+    With local checkpoints the same happens in each node's folder, whose first rank publishes it
+    with a record naming this attempt (returned: the marker carries it); the node's older local
+    checkpoints are then removed (the persist stage has copied them: train waits for it).
     """
     t = ctx.cfg.train
+    folder, writer = checkpoint_folder(ctx)
     staging = ctx.paths.checkpoint_staging_tag(ctx.iteration)
+    tag = ctx.paths.checkpoint_tag(ctx.iteration)
+    local = folder != ctx.paths.checkpoints
+    checkpoint_id = dist.agree(uuid.uuid4().hex) if local else None
     with checkpoint_io(t.checkpoint_mmap):
         # save_latest=False: syncrl names the tag it resumes from; a "latest" file would name the staging one.
-        engine.save_checkpoint(str(ctx.paths.checkpoints), tag=staging, save_latest=False,
+        engine.save_checkpoint(str(folder), tag=staging, save_latest=False,
                                client_state={"iteration": ctx.iteration})
     dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", t.timeout_s)
-    if ctx.rank == 0:
-        markers.publish_dir(ctx.paths.checkpoints / staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
+    if writer:
+        if local:
+            local_checkpoints.write_record(folder / staging, checkpoint_id, ctx.iteration, dist.node_name(),
+                                           ctx.paths.root)
+        markers.publish_dir(folder / staging, folder / tag)
+        if local:
+            local_checkpoints.prune(folder, keep=tag)
+    return {"id": checkpoint_id, "dir": str(folder.parent)} if local else None
 
 
 # Modules deepspeed.initialize imports on its first call (DeepSpeed 0.19: its optimizer check
@@ -217,6 +246,9 @@ def deepspeed_config(ctx: StageContext) -> dict:
         if key in ds and ds[key] not in ("auto", value):
             log.warning("%s: %s=%s replaced by %s from the run config", t.deepspeed_config, key, ds[key], value)
         ds[key] = value
+    if t.local_checkpoint_dir:
+        # Each node's first rank writes the model states too, so a node resumes from its own folder.
+        ds.setdefault("checkpoint", {})["use_node_local_storage"] = True
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
         params["lr"] = t.lr
@@ -247,16 +279,30 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
     if ctx.iteration == 0:
         return
     tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
-    if not (ctx.paths.checkpoints / tag).is_dir():
+    source = resume_source(ctx, tag)
+    if not (source / tag).is_dir():
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
-                    ctx.paths.checkpoints / tag, ctx.policy_path())
+                    source / tag, ctx.policy_path())
         return
     with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
-        path, _ = engine.load_checkpoint(str(ctx.paths.checkpoints), tag=tag, load_optimizer_states=True,
+        path, _ = engine.load_checkpoint(str(source), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {ctx.paths.checkpoints / tag}")
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {source / tag}")
     log.info("resumed weights and optimizer state from %s", path)
+
+
+def resume_source(ctx: StageContext, tag: str) -> Path:
+    """The folder holding checkpoint `tag` to resume from: this node's local copy when its record
+    names the attempt the previous train's marker recorded, else the run dir's (durable) copy."""
+    recorded = (markers.read_marker(ctx.paths, ctx.iteration - 1, "train") or {}).get("local_checkpoint")
+    folder = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, dist.node_name())
+    if recorded and folder is not None:
+        problem = local_checkpoints.problem(folder / tag, recorded["id"])
+        if problem is None:
+            return folder
+        log.info("resuming from the durable copy in %s: %s", ctx.paths.checkpoints, problem)
+    return ctx.paths.checkpoints
 
 
 def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog) -> tuple[list[dict], dict]:

@@ -74,7 +74,7 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path):
     figures = json.loads((tmp_path / "pipe.json").read_text())
     assert 0 < figures["non_compute_share"][0] < 1 and figures["checkpoint_bytes"] > 0
     exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
-    assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save"]) and min(exits.values()) >= 0
+    assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save", "persist"]) and min(exits.values()) >= 0
 
 
 def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_path):

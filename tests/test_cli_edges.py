@@ -57,7 +57,7 @@ def test_folders_that_are_not_syncrls_are_ignored(run_dir, tmp_path):
     (copy / "logs" / "iter_00000" / "train" / "attempt_1.keep").mkdir()
     status = syncrl("status", str(copy))
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
-    assert "5/5 stages done" in status.stdout
+    assert "6/6 stages done" in status.stdout
     tail = syncrl("tail", str(copy))
     assert tail.returncode == 0 and "Traceback" not in tail.stderr, tail.stderr
     report = syncrl("report", str(copy), "--out", str(tmp_path / "report"))

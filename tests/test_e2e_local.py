@@ -68,7 +68,7 @@ def test_two_iterations_then_everything_skipped(tmp_path):
     assert "launching" not in again.stderr
 
     status = syncrl("status", str(run))
-    assert status.returncode == 0 and "10/10 stages done" in status.stdout
+    assert status.returncode == 0 and "12/12 stages done" in status.stdout
     check_observability(run)
 
 

@@ -293,9 +293,9 @@ def small_disk(tmp_path):
     """A real filesystem of a given size (tmpfs), mounted for the test; skips where mounting is not allowed."""
     mounts = []
 
-    def make(kib: int) -> Path:
-        where = tmp_path / f"disk{len(mounts)}"
-        where.mkdir()
+    def make(kib: int, where: Path | None = None) -> Path:
+        where = where or tmp_path / f"disk{len(mounts)}"
+        where.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)], capture_output=True)
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
@@ -415,3 +415,88 @@ def test_node_lost_during_a_step(reference_run, tmp_path):
     same_results(run_dir, reference_run)
     no_half_files(run_dir)
     report("node lost (slurmd and tasks of n2 killed)", detect, recover)
+
+
+def local_store_files(store: Path) -> list[Path]:
+    return sorted(p for p in store.rglob("*") if p.is_file()) if store.exists() else []
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tmp_path):
+    """Train writes each node's checkpoint share to that node's own local folder (n1's, n2's); the
+    persist stage copies them to the run dir. Train of iteration 1 is then redone in a new allocation
+    whose nodes hold no local copy: both nodes resume iteration 0's optimizer state from the durable
+    copy, and the run completes with the same weights."""
+    run_dir, store = tmp_path / "run", tmp_path / "node_local"
+    extra = ["iterations=2", f"train.local_checkpoint_dir={store}", "save.keep_checkpoints=2"]
+    job = sbatch_run(tmp_path, run_dir, *extra)
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
+    weights = (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes()
+    logs = sorted((run_dir / "logs" / "iter_00001" / "train" / "attempt_1").glob("rank_*.log"))
+    assert len(logs) == 2
+    for node, log in zip(("n1", "n2"), logs):
+        text = log.read_text()
+        assert re.search(rf"resumed weights and optimizer state from {re.escape(str(store))}/\S+/{node}/", text), text[-2000:]
+    for it in (0, 1):  # the durable copies, whole: every rank's shard and the model states
+        names = sorted(p.name for p in (run_dir / "checkpoints" / f"iter_{it:05d}").iterdir())
+        assert sum("zero_pp_rank_" in n for n in names) == 2 and "mp_rank_00_model_states.pt" in names, names
+    assert local_store_files(store) == []  # the run's last persist emptied the nodes' folders
+    # A new allocation: no node-local copy anywhere. Redo train of iteration 1 over both nodes.
+    shutil.rmtree(store, ignore_errors=True)
+    t0 = time.time()
+    job = sbatch(tmp_path, "slurm/rerun_stage.sbatch", str(run_dir), "1", "train")
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the rerun") == "COMPLETED", job_log(tmp_path, job)
+    detect = time.time() - t0
+    for log in sorted((run_dir / "logs" / "iter_00001" / "train" / "attempt_2").glob("rank_*.log")):
+        text = log.read_text()
+        assert "resuming from the durable copy" in text, text[-2000:]
+        assert f"resumed weights and optimizer state from {run_dir / 'checkpoints'}" in text
+    # The same run command redoes what reads train's new checkpoint (persist, save), to the same weights.
+    job = sbatch_run(tmp_path, run_dir, *extra)
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
+    recover = time.time() - t0
+    log = job_log(tmp_path, job)
+    assert "iteration 1 save     launching" in log and "iteration 1 generate already done" in log, log[-3000:]
+    assert (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes() == weights
+    assert local_store_files(store) == []
+    no_half_files(run_dir)
+    report("node-local checkpoint lost before resume (2 nodes)", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_disk, tmp_path):
+    """The run dir's checkpoints/ on a 400 KB filesystem, node-local checkpoints elsewhere: persist's
+    copy hits ENOSPC. The job stops naming persist, every other stage stays done, no checkpoint
+    looks whole, and both nodes' local copies are kept; with space again the same command redoes
+    persist alone, and the weights are the undisturbed run's."""
+    run_dir, store = tmp_path / "run", tmp_path / "node_local"
+    extra = [f"train.local_checkpoint_dir={store}", "retry.attempts=1"]
+    small_disk(400, run_dir / "checkpoints")
+    t0 = time.time()
+    job = sbatch_run(tmp_path, run_dir, *extra)
+    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to stop")
+    detect = time.time() - t0
+    log = job_log(tmp_path, job)
+    assert state == "FAILED", log[-3000:]
+    assert "iteration 0 persist attempt 1 failed" in log and "No space left on device" in log, log[-3000:]
+    assert "run the same command again" in log, log[-3000:]
+    assert not (run_dir / "checkpoints" / "iter_00000").exists()
+    kept = [p.relative_to(store) for p in local_store_files(store)]
+    for node in ("n1", "n2"):
+        assert any(p.parts[1] == node and "zero_pp_rank_" in p.name for p in kept), kept
+    status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
+    assert re.search(r"0  persist\s+failed", status) and re.search(r"0  save\s+done", status), status
+    subprocess.run(["umount", "-l", str(run_dir / "checkpoints")], capture_output=True)  # space again
+    job = sbatch_run(tmp_path, run_dir, *extra)
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
+    recover = time.time() - t0
+    log = job_log(tmp_path, job)
+    assert "iteration 0 persist  started in the background" in log and "launching" not in log, log[-3000:]
+    names = sorted(p.name for p in (run_dir / "checkpoints" / "iter_00000").iterdir())
+    assert sum("zero_pp_rank_" in n for n in names) == 2 and "mp_rank_00_model_states.pt" in names, names
+    same_results(run_dir, reference_run)
+    assert local_store_files(store) == []
+    no_half_files(run_dir)
+    report("disk full during the durable copy (2 nodes)", detect, recover)

@@ -49,3 +49,18 @@ def test_two_iterations_on_the_gpus(tmp_path):
     import torch
     model = AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00001", dtype=torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) > 4e8
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_node_local_checkpoints_export_the_weights_the_shards_hold(tmp_path):
+    # bf16 on the GPU: the model states save exports from are the fp32 master weights as the optimizer
+    # step rounded them, bit for bit what consolidating the shards and casting gives.
+    from tests.test_local_checkpoints import assert_export_matches_the_durable_copy
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
+                           "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
+                           f"train.local_checkpoint_dir={tmp_path / 'store'}", "--launcher", "local"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_export_matches_the_durable_copy(run, 1)  # iteration 0's durable copy is pruned (keep 1)

@@ -35,7 +35,7 @@ def test_status_imports_no_heavy_library(tmp_path, request):
     (run / "config.yaml").write_text(dump_config(load_config(None, [f"run_dir={run}", "iterations=2"])))
     proc, names = imported_modules(["-m", "jobs.cli", "status", str(run)], request.config.rootpath)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "0/10 stages done" in proc.stdout
+    assert "0/12 stages done" in proc.stdout
     assert not names & set(HEAVY), sorted(names & set(HEAVY))
 
 

@@ -6,7 +6,7 @@ from stages.runtime.pipeline import PIPELINE, STAGES, Need
 
 
 def test_the_table_is_consistent():
-    assert STAGES == ("generate", "score", "gather", "train", "save")
+    assert STAGES == ("generate", "score", "gather", "train", "save", "persist")
     for s in PIPELINE:
         reads = {dep for dep, _ in s.reads}
         assert reads <= set(STAGES), s.name
@@ -19,6 +19,12 @@ def test_the_table_is_consistent():
             assert e.stage in STAGES and e.after in STAGES and e.ahead >= 0 and e.after_ahead >= 0
             # The marker it waits for comes before its turn: no early stage can overtake its input.
             assert (e.after_ahead, STAGES.index(e.after)) < (e.ahead, STAGES.index(e.stage)), e
+        if s.done_before:
+            # A background stage is joined before a later stage of a later iteration, never one it overlaps
+            # on the critical path before it started; and nothing waits for its marker to start early.
+            stage, ahead = s.done_before
+            assert stage in STAGES and ahead >= 1, s
+            assert not s.every_rank and not any(e.after == s.name for t in PIPELINE for e in t.starts_early)
 
 
 def publish(paths, stage, rank, name, data, **extra):

@@ -26,6 +26,9 @@ ENV_TABLE = {
     "num_nodes": ("SYNCRL_NUM_NODES", "SLURM_STEP_NUM_NODES"),
 }
 JOB_ID_VAR = "SLURM_JOB_ID"
+# The node's name as SLURM knows it: on a cluster of one host (the test cluster) nodes share a
+# hostname, so their node-local files are told apart by this name.
+NODE_NAME_VAR = "SLURMD_NODENAME"
 # The allocation as SLURM describes it to the batch step: field -> the variables that may carry it,
 # first set wins. The coordinator, `syncrl check` and the launchers read SLURM only through here.
 ALLOCATION_TABLE = {
@@ -78,6 +81,12 @@ def dist_info(env: dict | None = None) -> DistInfo:
         master_port=int(env.get("MASTER_PORT", "29500")),
         host=socket.gethostname(),
     )
+
+
+def node_name(env: dict | None = None) -> str:
+    """This node's name: SLURM's name for it inside a step, else the hostname."""
+    env = os.environ if env is None else env
+    return env.get(NODE_NAME_VAR) or socket.gethostname()
 
 
 def slurm_job_id(env: dict | None = None) -> str | None:
@@ -194,6 +203,17 @@ def barrier(name: str, timeout_s: float) -> None:
         tdist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
     except RuntimeError as e:
         raise BarrierTimeout(f"barrier '{name}': {e} (waited {timeout_s:.0f}s)") from None
+
+
+def agree(value):
+    """Rank 0's `value`, on every rank of the stage's process group (`value` itself without one)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return value
+    box = [value]
+    tdist.broadcast_object_list(box, src=0, group=_gloo_group())
+    return box[0]
 
 
 _GLOO_GROUP = None

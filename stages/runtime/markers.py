@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from stages.runtime import pipeline
-from stages.runtime.paths import RunPaths
+from stages.runtime.paths import RunPaths, numbered
 
 # Files above this are recorded by size only: hashing a 140 GB checkpoint on every marker would cost
 # minutes of allocation time for little safety over the size check.
@@ -245,6 +245,17 @@ def publish_dir(staging: Path, final: Path) -> None:
         final.rename(old)
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def prune_iterations(paths: RunPaths, parent: Path, keep: int, upto: int) -> list[str]:
+    """Remove parent/iter_N folders beyond the newest `keep` of those with N <= `upto` (retention:
+    never one newer than the iteration pruning); returns them relative to the run dir."""
+    dirs = [parent / f"iter_{i:05d}" for i in numbered(parent, "iter_") if i <= upto]
+    removed = []
+    for p in dirs[:-keep]:
+        shutil.rmtree(p)
+        removed.append(str(p.relative_to(paths.root)))
+    return removed
 
 
 # Size of a stage's state file (JSON padded with spaces): room to rewrite it in place on a full disk.

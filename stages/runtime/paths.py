@@ -80,6 +80,15 @@ class RunPaths:
         """Where train writes iteration `it`'s checkpoint before publishing it under checkpoint_tag."""
         return f".{self.checkpoint_tag(it)}.tmp"
 
+    def persist_staging(self, it: int, checkpoint_id: str) -> Path:
+        """Where the persist stage gathers the nodes' files of iteration `it` before publishing them."""
+        return self.checkpoints / f".{self.checkpoint_tag(it)}.persist-{checkpoint_id}.tmp"
+
+    def local_checkpoint_record(self, it: int) -> Path:
+        """Train's record of a node-local checkpoint (its attempt's id): an output of train, so that
+        save and persist see a redone train as changed input even when its loss curve is the same."""
+        return self.stage_dir(it, "train") / "local_checkpoint.json"
+
     def stage_state(self, it: int, stage: str) -> Path:
         """The coordinator's record of a stage in flight or failed (state, attempt, ranks, hosts)."""
         return self.markers(it) / f"{stage}.state.json"

@@ -41,8 +41,15 @@ class Stage:
     # One task per generate.gpus_per_process GPUs (score scores generate's shards one to one).
     grouped: bool = False
     starts_early: tuple[EarlyStart, ...] = ()
+    every_node: bool = False  # one task per node (for node-local files)
+    # A background stage starts at its turn and runs beside the stages after it; it must be done
+    # before `done_before` = (stage, ahead) of iteration I + ahead starts, and before the run ends.
+    done_before: tuple[str, int] | None = None
 
 
+# Persist copies train's node-local checkpoint (train.local_checkpoint_dir) to the run dir beside
+# the next iteration's generate, score and gather; the next train, which replaces the node-local
+# copy, waits for it.
 # Score and gather start in well under a second: not worth starting early. Train starts as soon as
 # the previous train has ended (at save), so that its imports and start-up have save, generate,
 # score and gather to hide behind, not generate alone (on the 0.48B GPU config generate took 10 s,
@@ -56,12 +63,16 @@ PIPELINE = (
           starts_early=(EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0))),
     Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),),
           starts_early=(EarlyStart(1, "train", "gather", 1),)),
+    Stage("persist", every_rank=False, every_node=True, reads=(("train", 0),), needs=(Need("train", "stage"),),
+          done_before=("train", 1)),
 )
 
 BY_NAME = {s.name: s for s in PIPELINE}
 STAGES = tuple(s.name for s in PIPELINE)
 # Stages that run one process per rank; the others run as a single task.
 MULTI_RANK_STAGES = tuple(s.name for s in PIPELINE if s.every_rank)
+# Stages that run one task per node.
+PER_NODE_STAGES = tuple(s.name for s in PIPELINE if s.every_node)
 
 
 def stage(name: str) -> Stage:

@@ -1,0 +1,102 @@
+"""Node-local checkpoints (train.local_checkpoint_dir): where a node's copy lives, the record that
+names the train attempt which wrote it, and which of its files the node carries to the durable copy.
+
+With the setting on, train writes each iteration's DeepSpeed checkpoint to fast storage on every
+node (a node holds its own ranks' shards, and its first rank writes the model states as well)
+instead of the shared run dir, and the persist stage copies the nodes' files to checkpoints/iter_I
+while the next iteration's stages run. Resume and save read a node's copy when its record names
+the train attempt whose marker they trust, and the durable copy otherwise. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from stages.runtime import markers
+from stages.runtime.paths import RunPaths, numbered
+
+# Written into a checkpoint folder before it is published: which train attempt wrote it and its files.
+RECORD = "syncrl-checkpoint.json"
+# The file of the model's own weights (ZeRO 1 and 2 keep them whole in it; every node has one).
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def root(local_dir: str, paths: RunPaths, node: str) -> Path | None:
+    """This node's folder of the run's local checkpoints, or None when train.local_checkpoint_dir is off.
+
+    Keyed by the run dir, so that two runs on one node never share it, and by the node's name, so
+    that nodes of the test cluster (one host) never read each other's files.
+    """
+    if not local_dir:
+        return None
+    base = Path(os.path.expanduser(os.path.expandvars(local_dir)))
+    key = hashlib.sha256(str(paths.root).encode()).hexdigest()[:12]
+    return base / f"syncrl-{paths.root.name}-{key}" / node
+
+
+def write_record(folder: Path, checkpoint_id: str, iteration: int, node: str, run_dir: Path) -> dict:
+    """Record the checkpoint's files (name and size) and the train attempt's id inside `folder`."""
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file() and f.name != RECORD}
+    record = {"id": checkpoint_id, "iteration": iteration, "node": node, "run_dir": str(run_dir), "files": files}
+    markers.write_json_atomic(folder / RECORD, record)
+    return record
+
+
+def read_record(folder: Path) -> dict | None:
+    try:
+        return markers.read_json(folder / RECORD)
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def problem(folder: Path, checkpoint_id: str) -> str | None:
+    """Why `folder` cannot stand for the checkpoint train recorded as `checkpoint_id` (None when it can)."""
+    record = read_record(folder)
+    if record is None:
+        return f"{folder} holds no complete checkpoint"
+    if record.get("id") != checkpoint_id:
+        return f"{folder} was written by another train attempt ({record.get('id')}, not {checkpoint_id})"
+    for name, size in record["files"].items():
+        try:
+            if (folder / name).stat().st_size != size:
+                return f"{folder / name} changed size"
+        except FileNotFoundError:
+            return f"{folder / name} is missing"
+    return None
+
+
+def carried_by(node_index: int, name: str) -> bool:
+    """Whether the node at `node_index` carries file `name` into the durable copy: each node its
+    ranks' shards (DeepSpeed's zero_pp_rank_* files), the first node the files every node holds."""
+    return node_index == 0 or "zero_pp_rank_" in name
+
+
+def missing_shards(names, ranks: int) -> list[int]:
+    """Train ranks (of `ranks`) none of whose shard files is among `names`."""
+    return [r for r in range(ranks) if not any(f"zero_pp_rank_{r}_" in n for n in names)]
+
+
+def copy_durably(src: Path, dst: Path) -> None:
+    """Copy one file and flush it to its storage: the durable copy must survive the node."""
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def prune(folder_root: Path, keep: str) -> list[str]:
+    """Remove this node's other local checkpoints (and staging left by a dead attempt) but `keep`."""
+    removed = []
+    if not folder_root.is_dir():
+        return removed
+    keep_it = {int(keep.rsplit("_", 1)[1])}
+    for i in numbered(folder_root, "iter_"):
+        if i not in keep_it:
+            shutil.rmtree(folder_root / f"iter_{i:05d}", ignore_errors=True)
+            removed.append(f"iter_{i:05d}")
+    for p in folder_root.glob(".iter_*"):
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
