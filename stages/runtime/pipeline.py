@@ -50,19 +50,20 @@ class Stage:
 # Persist copies train's node-local checkpoint (train.local_checkpoint_dir) to the run dir beside
 # the next iteration's generate, score and gather; the next train, which replaces the node-local
 # copy, waits for it.
-# Score and gather start in well under a second: not worth starting early. Train starts as soon as
-# the previous train has ended (at save), so that its imports and start-up have save, generate,
-# score and gather to hide behind, not generate alone (on the 0.48B GPU config generate took 10 s,
-# train's imports 11-16 s beside it); in iteration 0, at generate.
+# Score and gather start in well under a second: not worth starting early. Train starts when the
+# previous train starts, so that its imports have a whole train, save, generate, score and gather
+# to hide behind (on 1 H200, started at save instead, its imports took 14-21 s beside ~12 s of
+# save, generate, score and gather, and its turn waited 3.8-7.9 s for them); in iteration 0, at
+# generate. It builds nothing on the GPU before its turn.
 PIPELINE = (
     Stage("generate", every_rank=True, grouped=True, reads=(("save", -1),),
           starts_early=(EarlyStart(0, "train", "gather", 0),)),
     Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
     Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
     Stage("train", every_rank=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
-          starts_early=(EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0))),
-    Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),),
-          starts_early=(EarlyStart(1, "train", "gather", 1),)),
+          starts_early=(EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0),
+                        EarlyStart(1, "train", "gather", 1))),
+    Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),)),
     Stage("persist", every_rank=False, every_node=True, reads=(("train", 0),), needs=(Need("train", "stage"),),
           done_before=("train", 1)),
 )
