@@ -218,7 +218,7 @@ class Coordinator:
         # The marker below lets early-started stages waiting on it begin: they are running from then on,
         # so the background stages they must follow are finished first.
         go = markers.marker_path(self.paths, it, stage)
-        released = [(key, attempt) for key, (_, attempt, after) in self.early.items() if after == go]
+        released = [(key, early_attempt) for key, (_, early_attempt, after) in self.early.items() if after == go]
         for (it2, nxt), _ in released:
             self._join_background_before(it2, nxt)
         for (it2, nxt), early_attempt in released:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stages.runtime import markers
 from stages.runtime.paths import STAGES, RunPaths
+from stages.runtime.pipeline import BACKGROUND_STAGES
 
 
 def collect(run_dir: str) -> list[dict]:
@@ -63,12 +64,15 @@ def report_figure(rows: list[dict], run_dir: str):
     ax1.legend()
     bottom = [0.0] * len(rows)
     for stage in STAGES:
+        if stage in BACKGROUND_STAGES:
+            continue  # it overlaps the next iteration's stages: stacking it would count that time twice
         heights = [r[f"{stage}_s"] or 0.0 for r in rows]
         ax2.bar(its, heights, bottom=bottom, label=stage)
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax2.set_xlabel("iteration")
     ax2.set_ylabel("seconds")
-    ax2.set_title("stage wall time per iteration")
+    ax2.set_title("stage wall time per iteration" +
+                  (f" ({', '.join(BACKGROUND_STAGES)}: in the background, not shown)" if BACKGROUND_STAGES else ""))
     ax2.legend(fontsize="small")
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from stages.runtime import local_checkpoints as local, markers
+from stages.runtime.config import ConfigError
 from stages.runtime.dist import node_name
 from stages.runtime.retry import until_empty
 from stages.runtime.stage import MissingInput, StageContext, run_stage
@@ -39,7 +40,11 @@ def main(ctx: StageContext) -> None:
         ctx.write_marker([])
         return
     node = node_name()
-    folder = local.root(ctx.cfg.train.local_checkpoint_dir, paths, node) / tag
+    store = local.root(ctx.cfg.train.local_checkpoint_dir, paths, node)
+    if store is None:
+        raise ConfigError(f"iteration {it}: train wrote node-local checkpoints, but train.local_checkpoint_dir "
+                          f"is off for this process: give it the run's setting (see {paths.config})")
+    folder = store / tag
     problem = local.problem(folder, recorded["id"])
     if problem:
         raise MissingInput(

@@ -91,9 +91,9 @@ def read_weights(ctx: StageContext, tag: str) -> dict:
     recorded = (markers.read_marker(ctx.paths, ctx.iteration, "train") or {}).get("local_checkpoint")
     if not recorded:
         return consolidate(ctx.paths.checkpoints, tag)
-    here = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, node_name()) / tag
+    here = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, node_name())
     problems = []
-    for folder in (here, ctx.paths.checkpoints / tag):
+    for folder in ([here / tag] if here else []) + [ctx.paths.checkpoints / tag]:
         problem = local_checkpoints.problem(folder, recorded["id"])
         if problem is None:
             log.info("reading the weights from %s", folder / local_checkpoints.MODEL_STATES)

@@ -1,9 +1,9 @@
 """train: one DeepSpeed process per rank over all nodes; PPO-clip on the gathered train set.
 
 Starts from the previous iteration's model and resumes optimizer state from its DeepSpeed
-checkpoint; writes checkpoints/iter_I, or with train.local_checkpoint_dir the same checkpoint to
-each node's fast storage (the persist stage then copies it to checkpoints/iter_I). The process group lives for this step only: generation and
-scoring never hold an idle communicator that could time out.
+checkpoint; writes checkpoints/iter_I (with train.local_checkpoint_dir, to each node's own storage,
+which the persist stage then copies to checkpoints/iter_I). The process group lives for this step
+only: generation and scoring never hold an idle communicator that could time out.
 
 By hand, one process per rank (here 2 on one machine; under SLURM, srun sets the layout):
 

@@ -69,6 +69,18 @@ def reference_run(slurm_cluster, tmp_path_factory):
     return out / "run"
 
 
+def job_that_fails(out_dir: Path, run_dir: Path, *extra: str) -> tuple[str, float]:
+    """sbatch_run, which must end FAILED with the resume hint; returns (its log, seconds to fail)."""
+    t0 = time.time()
+    job = sbatch_run(out_dir, run_dir, *extra)
+    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to stop")
+    detect = time.time() - t0
+    log = job_log(out_dir, job)
+    assert state == "FAILED", log[-3000:]
+    assert "run the same command again" in log, log[-3000:]
+    return log, detect
+
+
 def same_results(run_dir: Path, reference: Path) -> None:
     for stage in ("generate", "score"):
         for rank in (0, 1):
@@ -371,14 +383,8 @@ def test_disk_full_during_train_on_two_nodes_is_recorded_as_a_failure(slurm_clus
     hit ENOSPC writing the checkpoint. The job fails with the stage, the ranks and the resume hint in
     its log, status says train failed, and every stage before it stays done."""
     run_dir = small_disk(1200) / "run"
-    t0 = time.time()
-    job = sbatch_run(tmp_path, run_dir, "retry.attempts=1")
-    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to stop")
-    detect = time.time() - t0
-    log = job_log(tmp_path, job)
-    assert state == "FAILED", log[-3000:]
+    log, detect = job_that_fails(tmp_path, run_dir, "retry.attempts=1")
     assert "iteration 0 train attempt" in log and "failed on rank(s)" in log, log[-3000:]
-    assert "run the same command again" in log, log[-3000:]
     assert "Traceback (most recent call last)" not in log.split("coordinator")[-1], log[-3000:]
     status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
     assert re.search(r"0  train\s+failed", status), status
@@ -475,13 +481,8 @@ def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_dis
     extra = [f"train.local_checkpoint_dir={store}", "retry.attempts=1"]
     small_disk(400, run_dir / "checkpoints")
     t0 = time.time()
-    job = sbatch_run(tmp_path, run_dir, *extra)
-    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to stop")
-    detect = time.time() - t0
-    log = job_log(tmp_path, job)
-    assert state == "FAILED", log[-3000:]
+    log, detect = job_that_fails(tmp_path, run_dir, *extra)
     assert "iteration 0 persist attempt 1 failed" in log and "No space left on device" in log, log[-3000:]
-    assert "run the same command again" in log, log[-3000:]
     assert not (run_dir / "checkpoints" / "iter_00000").exists()
     kept = [p.relative_to(store) for p in local_store_files(store)]
     for node in ("n1", "n2"):

@@ -74,6 +74,8 @@ STAGES = tuple(s.name for s in PIPELINE)
 MULTI_RANK_STAGES = tuple(s.name for s in PIPELINE if s.every_rank)
 # Stages that run one task per node.
 PER_NODE_STAGES = tuple(s.name for s in PIPELINE if s.every_node)
+# Stages that run beside the others (their wall time overlaps theirs: not summed into an iteration's).
+BACKGROUND_STAGES = tuple(s.name for s in PIPELINE if s.done_before)
 
 
 def stage(name: str) -> Stage:

@@ -166,7 +166,7 @@ def fmean(xs):
 
 def critical(seconds: dict) -> float:
     """Sum of the stages' seconds, leaving out the background stages (they overlap the others)."""
-    return sum(v for s, v in seconds.items() if not pipeline.stage(s).done_before)
+    return sum(v for s, v in seconds.items() if s not in pipeline.BACKGROUND_STAGES)
 
 
 def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> dict:
@@ -248,10 +248,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         print(f"{r['iteration']:>4}  " + "  ".join(f"{w[s]:8.1f}" for s in STAGES) + f"  {critical(w):8.1f}")
     means = {s: fmean(r["wall_s"][s] for r in per_it) for s in STAGES}
     print(f"{'mean':>4}  " + "  ".join(f"{means[s]:8.1f}" for s in STAGES) + f"  {critical(means):8.1f}")
-    background = [s for s in STAGES if pipeline.stage(s).done_before]
-    if background:
-        print(f"      (total: the stages on the critical path; {', '.join(background)} ran in the background, "
-              "from its start to its join)")
+    if pipeline.BACKGROUND_STAGES:
+        print(f"      (total: the stages on the critical path; {', '.join(pipeline.BACKGROUND_STAGES)} ran in the "
+              "background, from its start to its join)")
 
     def col(section, key, fmt):
         vals = [r[section][key] for r in per_it]
