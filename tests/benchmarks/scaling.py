@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT))
+
+from jobs.launchers import free_port  # noqa: E402 (needs ROOT on the path)
 
 
 def run_size(gpus: int, args, out: Path, port: int, shape: str | None) -> list[dict]:
@@ -77,8 +80,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="syncrl-scaling-"))
     shapes = {g: shape_for(args.shape, g) for g in sizes}
     results = {}
-    for i, g in enumerate(sizes):
-        results[g] = run_size(g, args, tmp / f"gpus_{g}.json", 29600 + i, shapes[g])
+    for g in sizes:
+        # A free port: a fixed one would meet another run's rendezvous on a shared machine.
+        results[g] = run_size(g, args, tmp / f"gpus_{g}.json", free_port(), shapes[g])
     base_g = sizes[0]
     print(f"\nseq {args.seq}, two nodes of half the GPUs each; efficiency against {base_g} GPUs")
     print(f"{'variant':<18} {'model':<12} {'GPUs':>4} {'tokens/s':>10} {'MFU':>7} {'efficiency':>10}")
