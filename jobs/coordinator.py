@@ -173,6 +173,7 @@ class Coordinator:
             return
         attempt = self.paths.attempts_so_far(it, stage) + 1
         self._write_state(it, stage, "running", attempt)
+        markers.remove_partial_writes(self.paths, it, stage)
         step = self.launcher.start(self.paths, it, stage, attempt)
         self.background[(it, stage)] = (step, attempt, time.time())
         log.info("iteration %d %-8s started in the background (attempt %d on %d task(s))", it, stage, attempt,
@@ -210,6 +211,7 @@ class Coordinator:
                 log.info("iteration %d %-8s %s attempt %d on %d task(s)", it, stage, how, attempt,
                          self.launcher.ntasks(stage))
                 if step is None:
+                    markers.remove_partial_writes(self.paths, it, stage)
                     result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
                 else:
                     result = step.wait(retry.stage_timeout_s)
@@ -253,6 +255,7 @@ class Coordinator:
             if go.exists() or markers.stage_started(self.paths, it2, nxt):
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1
+            markers.remove_partial_writes(self.paths, it2, nxt)
             step = self.launcher.start(self.paths, it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
             self.early[(it2, nxt)] = (step, attempt, go)
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)

@@ -116,6 +116,8 @@ def publish(ctx: StageContext, staging: Path, target: Path, checkpoint_id: str, 
         raise RuntimeError(f"the copies in {staging} lack the shards of train rank(s) {missing}: no node held them")
     for note in notes:
         note.unlink()
+    for stray in set(p.name for p in staging.iterdir()) - set(names):
+        (staging / stray).unlink()  # a half-written note of an attempt that was killed mid-write
     local.write_record(staging, checkpoint_id, ctx.iteration, f"{ctx.world_size} node(s)", ctx.paths.root)
     log.info("publishing %s: %d files from %d node(s)", target, len(names), ctx.world_size)
     markers.publish_dir(staging, target)

@@ -116,3 +116,21 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
         write_jsonl_atomic(tmp_path / "rows.jsonl", rows())
     assert json.loads(target.read_text()) == {"state": "running"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_killed_writer_leaves_a_temporary_that_the_next_attempt_removes(tmp_path):
+    """SIGKILL cannot be unwound: srun's --kill-on-bad-exit may end a rank mid-write of its failure
+    record. The coordinator removes that stage's temporaries before its next attempt, no one else's."""
+    from stages.runtime.markers import remove_partial_writes
+    from stages.runtime.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    paths.markers(0).mkdir(parents=True)
+    mine = paths.markers(0) / ".persist.rank_00000.failed.tmp.4184"
+    other = paths.markers(0) / ".train.rank_00001.done.tmp.77"
+    done = paths.markers(0) / "persist.rank_00001.done"
+    for p in (mine, other, done):
+        p.write_text("{")
+    assert remove_partial_writes(paths, 0, "persist") == [mine]
+    assert not mine.exists() and other.exists() and done.exists()
+    assert remove_partial_writes(paths, 1, "persist") == []  # no markers folder yet

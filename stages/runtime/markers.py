@@ -214,6 +214,16 @@ def clear_stage(paths: RunPaths, it: int, stage: str) -> None:
         failed.unlink(missing_ok=True)
 
 
+def remove_partial_writes(paths: RunPaths, it: int, stage: str) -> list[Path]:
+    """Remove the temporary files of a stage's ledger writes that never finished (a rank killed while
+    it wrote its failure record or marker): called before an attempt starts, when none of the stage's
+    processes is writing."""
+    found = sorted(paths.markers(it).glob(f".{stage}.*.tmp.*")) if paths.markers(it).is_dir() else []
+    for p in found:
+        p.unlink(missing_ok=True)
+    return found
+
+
 def write_jsonl_atomic(path: Path, rows) -> int:
     """Write rows as JSON lines under a temporary name, then rename; returns the row count."""
     n = 0
