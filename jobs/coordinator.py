@@ -173,9 +173,7 @@ class Coordinator:
             return
         attempt = self.paths.attempts_so_far(it, stage) + 1
         self._write_state(it, stage, "running", attempt)
-        markers.remove_partial_writes(self.paths, it, stage)
-        step = self.launcher.start(self.paths, it, stage, attempt)
-        self.background[(it, stage)] = (step, attempt, time.time())
+        self.background[(it, stage)] = (self._start(it, stage, attempt), attempt, time.time())
         log.info("iteration %d %-8s started in the background (attempt %d on %d task(s))", it, stage, attempt,
                  self.launcher.ntasks(stage))
 
@@ -203,7 +201,6 @@ class Coordinator:
         for attempt_state in retrying:
             with attempt_state:
                 step, attempt = self._take_early(it, stage)
-                background = background and step is not None
                 if step is None:
                     attempt = self.paths.attempts_so_far(it, stage) + 1
                 self._write_state(it, stage, "running", attempt)
@@ -211,10 +208,8 @@ class Coordinator:
                 log.info("iteration %d %-8s %s attempt %d on %d task(s)", it, stage, how, attempt,
                          self.launcher.ntasks(stage))
                 if step is None:
-                    markers.remove_partial_writes(self.paths, it, stage)
-                    result = self.launcher.launch(self.paths, it, stage, attempt, retry.stage_timeout_s)
-                else:
-                    result = step.wait(retry.stage_timeout_s)
+                    step = self._start(it, stage, attempt)
+                result = step.wait(retry.stage_timeout_s)
                 launched += result.elapsed_s
                 self._check_attempt(it, stage, attempt, inputs, result)
         # The marker below lets early-started stages waiting on it begin: they are running from then on,
@@ -255,10 +250,15 @@ class Coordinator:
             if go.exists() or markers.stage_started(self.paths, it2, nxt):
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1
-            markers.remove_partial_writes(self.paths, it2, nxt)
-            step = self.launcher.start(self.paths, it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
+            step = self._start(it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
             self.early[(it2, nxt)] = (step, attempt, go)
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
+
+    def _start(self, it: int, stage: str, attempt: int, after=None):
+        """Start one attempt's processes (see launchers.stage_command for `after`), once the temporaries
+        that killed ranks of an earlier attempt left in the ledger are gone."""
+        markers.remove_partial_writes(self.paths, it, stage)
+        return self.launcher.start(self.paths, it, stage, attempt, after=after)
 
     def _take_early(self, it: int, stage: str):
         """This stage's step started in the background (running or ended, its first attempt), or

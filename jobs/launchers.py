@@ -93,9 +93,6 @@ class LocalLauncher:
     def nodes(self) -> list[str]:
         return [socket.gethostname()]
 
-    def launch(self, paths: RunPaths, iteration: int, stage: str, attempt: int, timeout_s: float = 0) -> LaunchResult:
-        return self.start(paths, iteration, stage, attempt).wait(timeout_s)
-
     def start(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> "LocalStep":
         """Start the stage's ranks and return at once (see stage_command for `after`)."""
         n = self.ntasks(stage)
@@ -264,9 +261,6 @@ class SrunLauncher:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
             env.pop(key, None)
         return cmd, env
-
-    def launch(self, paths: RunPaths, iteration: int, stage: str, attempt: int, timeout_s: float = 0) -> LaunchResult:
-        return self.start(paths, iteration, stage, attempt).wait(timeout_s)
 
     def start(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> "SrunStep":
         """Start the stage's step and return at once (see stage_command for `after`)."""

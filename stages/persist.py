@@ -33,14 +33,13 @@ def main(ctx: StageContext) -> None:
     """Copy this node's share of the node-local checkpoint to the run dir's checkpoints/."""
     paths, it = ctx.paths, ctx.iteration
     tag = paths.checkpoint_tag(it)
-    train = markers.read_marker(paths, it, "train") or {}
-    recorded = train.get("local_checkpoint")
+    recorded = local.recorded(paths, it)
     if not recorded:
         ctx.summarize("nothing to persist: train wrote %s to the run dir", f"checkpoints/{tag}")
         ctx.write_marker([])
         return
     node = node_name()
-    store = local.root(ctx.cfg.train.local_checkpoint_dir, paths, node)
+    store = local.this_node(ctx.cfg.train.local_checkpoint_dir, paths)
     if store is None:
         raise ConfigError(f"iteration {it}: train wrote node-local checkpoints, but train.local_checkpoint_dir "
                           f"is off for this process: give it the run's setting (see {paths.config})")
@@ -59,7 +58,8 @@ def main(ctx: StageContext) -> None:
     target = paths.checkpoints / tag
     wait_s = ctx.cfg.train.timeout_s
     if ctx.rank == 0:
-        publish(ctx, staging, target, recorded["id"], int(train.get("world_size", 1)), wait_s)
+        train_ranks = int(markers.read_marker(paths, it, "train")["world_size"])
+        publish(ctx, staging, target, recorded["id"], train_ranks, wait_s)
     else:
         wait_for(lambda: (local.read_record(target) or {}).get("id") != recorded["id"], wait_s,
                  f"the first node to publish {target}")

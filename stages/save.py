@@ -26,7 +26,6 @@ import torch
 from stages.rl.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import local_checkpoints, markers
-from stages.runtime.dist import node_name
 from stages.runtime.stage import MissingInput, StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
@@ -88,10 +87,10 @@ def preload(ctx) -> None:
 def read_weights(ctx: StageContext, tag: str) -> dict:
     """The trained weights: consolidated from the ZeRO shards in the run dir, or, when train wrote
     node-local checkpoints, the model states of this node's copy (else of the persisted one)."""
-    recorded = (markers.read_marker(ctx.paths, ctx.iteration, "train") or {}).get("local_checkpoint")
+    recorded = local_checkpoints.recorded(ctx.paths, ctx.iteration)
     if not recorded:
         return consolidate(ctx.paths.checkpoints, tag)
-    here = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, node_name())
+    here = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     problems = []
     for folder in ([here / tag] if here else []) + [ctx.paths.checkpoints / tag]:
         problem = local_checkpoints.problem(folder, recorded["id"])

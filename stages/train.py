@@ -158,7 +158,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
 def checkpoint_folder(ctx: StageContext) -> tuple[Path, bool]:
     """Where this rank writes checkpoints (the run dir's checkpoints/, or its node's local folder),
     and whether this rank publishes there (rank 0; with local checkpoints, each node's first rank)."""
-    local = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, dist.node_name())
+    local = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     if local is None:
         return ctx.paths.checkpoints, ctx.rank == 0
     return local, ctx.info.local_rank == 0
@@ -191,7 +191,7 @@ def write_checkpoint(ctx: StageContext, engine) -> dict | None:
                                            ctx.paths.root)
         markers.publish_dir(folder / staging, folder / tag)
         if local:
-            local_checkpoints.prune(folder, keep=tag)
+            local_checkpoints.prune(folder, keep=ctx.iteration)
     return {"id": checkpoint_id, "dir": str(folder.parent)} if local else None
 
 
@@ -295,8 +295,8 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
 def resume_source(ctx: StageContext, tag: str) -> Path:
     """The folder holding checkpoint `tag` to resume from: this node's local copy when its record
     names the attempt the previous train's marker recorded, else the run dir's (durable) copy."""
-    recorded = (markers.read_marker(ctx.paths, ctx.iteration - 1, "train") or {}).get("local_checkpoint")
-    folder = local_checkpoints.root(ctx.cfg.train.local_checkpoint_dir, ctx.paths, dist.node_name())
+    recorded = local_checkpoints.recorded(ctx.paths, ctx.iteration - 1)
+    folder = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     if recorded and folder is not None:
         problem = local_checkpoints.problem(folder / tag, recorded["id"])
         if problem is None:

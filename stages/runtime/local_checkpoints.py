@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from stages.runtime import markers
+from stages.runtime.dist import node_name
 from stages.runtime.paths import RunPaths, numbered
 
 # Written into a checkpoint folder before it is published: which train attempt wrote it and its files.
@@ -36,6 +37,17 @@ def root(local_dir: str, paths: RunPaths, node: str) -> Path | None:
     base = Path(os.path.expanduser(os.path.expandvars(local_dir)))
     key = hashlib.sha256(str(paths.root).encode()).hexdigest()[:12]
     return base / f"syncrl-{paths.root.name}-{key}" / node
+
+
+def this_node(local_dir: str, paths: RunPaths) -> Path | None:
+    """root() for the node this process runs on."""
+    return root(local_dir, paths, node_name())
+
+
+def recorded(paths: RunPaths, it: int) -> dict | None:
+    """What train of iteration `it` recorded of its node-local checkpoint ({"id", "dir"}), or None
+    when it wrote the run dir's checkpoints/ (or has no marker)."""
+    return (markers.read_marker(paths, it, "train") or {}).get("local_checkpoint")
 
 
 def write_record(folder: Path, checkpoint_id: str, iteration: int, node: str, run_dir: Path) -> dict:
@@ -87,14 +99,14 @@ def copy_durably(src: Path, dst: Path) -> None:
         os.fsync(f.fileno())
 
 
-def prune(folder_root: Path, keep: str) -> list[str]:
-    """Remove this node's other local checkpoints (and staging left by a dead attempt) but `keep`."""
+def prune(folder_root: Path, keep: int) -> list[str]:
+    """Remove this node's local checkpoints of iterations other than `keep` (and staging left by a
+    dead attempt)."""
     removed = []
     if not folder_root.is_dir():
         return removed
-    keep_it = {int(keep.rsplit("_", 1)[1])}
     for i in numbered(folder_root, "iter_"):
-        if i not in keep_it:
+        if i != keep:
             shutil.rmtree(folder_root / f"iter_{i:05d}", ignore_errors=True)
             removed.append(f"iter_{i:05d}")
     for p in folder_root.glob(".iter_*"):
