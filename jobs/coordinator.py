@@ -21,6 +21,7 @@ import filelock
 
 from jobs.base_model import create_base_model
 from jobs.check import check, first_int, frozen_config_problem, resolve_paths
+from jobs.engines import Engines
 from jobs.metrics import MetricsLog
 from stages.runtime import markers, pipeline
 from stages.runtime import retry as policies
@@ -90,6 +91,7 @@ class Coordinator:
         # (it, stage) -> (started step, attempt, start time) of a background stage not yet joined
         self.background: dict[tuple[int, str], tuple[object, int, float]] = {}
         self.start_early = False
+        self.engines = Engines(cfg, launcher, self.paths)
 
     def run(self) -> None:
         with self._locked():
@@ -119,6 +121,7 @@ class Coordinator:
                 step.cancel()
             self.early.clear()
             self.background.clear()
+            self.engines.stop()
             signal.signal(signal.SIGTERM, previous)
             self.metrics.close()
             lock.release()
@@ -200,6 +203,8 @@ class Coordinator:
             lambda n, e: f"iteration {it} {stage} failed (attempt {n} of {retry.attempts}), retrying: {e}")
         for attempt_state in retrying:
             with attempt_state:
+                if stage == "generate":
+                    self.engines.ensure(it)
                 step, attempt = self._take_early(it, stage)
                 if step is None:
                     attempt = self.paths.attempts_so_far(it, stage) + 1
@@ -218,6 +223,8 @@ class Coordinator:
         released = [(key, early_attempt) for key, (_, early_attempt, after) in self.early.items() if after == go]
         for (it2, nxt), _ in released:
             self._join_background_before(it2, nxt)
+            if nxt == "generate":
+                self.engines.ensure(it2)
         for (it2, nxt), early_attempt in released:
             self._write_state(it2, nxt, "running", early_attempt)
         self._write_stage_marker(it, stage, inputs, first_start, attempt)

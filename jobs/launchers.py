@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from stages.runtime.dist import allocation, slurm_job_id
 from stages.runtime.paths import RunPaths
-from stages.runtime.pipeline import MULTI_RANK_STAGES, PER_NODE_STAGES, group_size
+from stages.runtime.pipeline import group_size, layout
 from stages.runtime.stage import ATTEMPT_VAR
 
 log = logging.getLogger("syncrl.launch")
@@ -72,19 +72,23 @@ class LocalLauncher:
 
     name = "local"
 
-    def __init__(self, ranks: int, generate_group: int = 1):
+    def __init__(self, ranks: int, generate_group: int = 1, own_gpus: tuple[str, ...] = ()):
+        """`own_gpus`: stages and services whose processes see only their own GPUs (vLLM takes the
+        first visible ones), whatever their group size."""
         if ranks % generate_group:
             raise ValueError(group_problem("ranks", ranks, generate_group))
         self.ranks = ranks
         self.generate_group = generate_group
+        self.own_gpus = own_gpus
 
     def ntasks(self, stage: str) -> int:
-        return self.ranks // group_size(stage, self.generate_group) if stage in MULTI_RANK_STAGES else 1
+        return self.ranks // group_size(stage, self.generate_group) if layout(stage).every_rank else 1
 
     def visible_gpus(self, stage: str, rank: int) -> str | None:
-        """CUDA_VISIBLE_DEVICES for a rank that spreads the model over several GPUs: its own slice."""
+        """CUDA_VISIBLE_DEVICES for a rank that spreads the model over several GPUs, or that runs
+        vLLM: its own slice."""
         group = group_size(stage, self.generate_group)
-        if group == 1:
+        if group == 1 and stage not in self.own_gpus:
             return None  # one GPU per rank, picked by local rank (stages/rl/modeling.device_for)
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
             else [str(i) for i in range(self.ranks)]
@@ -220,7 +224,7 @@ class SrunLauncher:
         self.num_nodes = min(self.cfg.nodes or len(self.hosts), len(self.hosts))
 
     def tasks_per_node(self, stage: str) -> int:
-        if stage not in MULTI_RANK_STAGES:
+        if not layout(stage).every_rank:
             return 1
         return self.cfg.tasks_per_node // group_size(stage, self.generate_group)
 
@@ -232,10 +236,10 @@ class SrunLauncher:
 
     @staticmethod
     def _all_nodes(stage: str) -> bool:
-        return stage in MULTI_RANK_STAGES or stage in PER_NODE_STAGES
+        return layout(stage).every_rank or layout(stage).every_node
 
     def command(self, paths: RunPaths, iteration: int, stage: str, attempt: int, after=None) -> tuple[list[str], dict]:
-        multi = stage in MULTI_RANK_STAGES
+        multi = layout(stage).every_rank
         nodes = self.num_nodes if self._all_nodes(stage) else 1
         log_pattern = paths.logs(iteration, stage, attempt) / "rank_%5t.log"
         cmd = ["srun", f"--nodes={nodes}", f"--ntasks={self.ntasks(stage)}",
@@ -376,4 +380,4 @@ def make_launcher(kind: str, cfg):
     group = cfg.generate.gpus_per_process
     if launcher_kind(kind) == "srun":
         return SrunLauncher(cfg.slurm, generate_group=group)
-    return LocalLauncher(cfg.ranks, group)
+    return LocalLauncher(cfg.ranks, group, own_gpus=("generate", "engine") if cfg.generate.backend == "vllm" else ())

@@ -27,6 +27,7 @@ from stages.rl import decoding
 from stages.rl.batches import completion_logprobs
 from stages.rl.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.rl.vllm_sampler import VllmSampler
+from stages.runtime.engine_link import EngineClient
 from stages.runtime.data import iteration_prompts, load_problems, shard
 from stages.runtime.logs import Progress
 from stages.runtime.markers import write_jsonl_atomic
@@ -52,9 +53,12 @@ def main(ctx: StageContext) -> None:
     g = cfg.generate
     spread = g.gpus_per_process > 1
     # vLLM first: it sizes its cache from the memory free when it starts.
-    sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g.gpus_per_process,
-                          g.vllm_memory_fraction, sample_seed(cfg.seed, ctx.iteration, ctx.rank)) \
-        if g.backend == "vllm" else None
+    sampler = None
+    if g.backend == "vllm" and g.persistent:
+        sampler = EngineClient(ctx.paths, ctx.rank, ctx.policy_path(), g.engine_timeout_s)
+    elif g.backend == "vllm":
+        sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g,
+                              sample_seed(cfg.seed, ctx.iteration, ctx.rank), cache_dir=ctx.paths.vllm_cache(ctx.rank))
     model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread,
                         fused_norms=cfg.model.fused_rms_norm).eval()
     if spread:
@@ -90,7 +94,9 @@ def sample_seed(seed: int, iteration: int, rank: int) -> int:
 def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, rank: int = 0) -> tuple[list, dict]:
     """Rows for every item x g.attempts samples, with the policy's log-probs of the sampled tokens,
     and figures on how they were sampled (the marker's `sampling`)."""
-    if sampler is None and g.cache == "compact":
+    if sampler is not None:
+        return sample_with(sampler, model, tokenizer, items, g, device)
+    if g.cache == "compact":
         t0 = time.time()
         prompt_ids = unpadded_prompt_ids(tokenizer, items)
         completions, logprobs, stats = sample_compact(model, tokenizer, prompt_ids, g, device)
@@ -107,11 +113,25 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
     bar = Progress(len(items), "generate: prompts", rank)
     for start in range(0, len(items), per_call):
         batch = items[start:start + per_call]
-        rows += sample_batch(model, tokenizer, batch, g, device, sampler)
+        rows += sample_batch(model, tokenizer, batch, g, device)
         bar.update(len(batch))
         release_cached_memory()
     bar.close()
     return rows, {"calls": math.ceil(len(items) / per_call)}
+
+
+def sample_with(sampler, model, tokenizer, items: list[dict], g, device) -> tuple[list, dict]:
+    """Rows from one call of a vLLM sampler for every prompt of the shard (the engine schedules its
+    own batches: generate.batch_size caps them), then the policy's pass for the old log-probs."""
+    t0 = time.time()
+    prompt_ids = unpadded_prompt_ids(tokenizer, items)
+    completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
+    stats = {"sample_s": time.time() - t0, "engine": sampler.figures()}
+    rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
+    t0 = time.time()
+    add_logprobs(rows, completion_logprobs(model, rows, g.temperature, device))
+    stats.update(logprob_pass_s=time.time() - t0, logprobs="recompute")
+    return rows, stats
 
 
 def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> tuple[list, list | None, dict]:
@@ -142,14 +162,10 @@ def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> 
 
 
 @torch.no_grad()
-def sample_batch(model, tokenizer, items: list[dict], g, device, sampler=None) -> list[dict]:
+def sample_batch(model, tokenizer, items: list[dict], g, device) -> list[dict]:
     """Rows for `items` x g.attempts samples in one call of HF generate (generate.cache static or
-    dynamic), or of `sampler` (a VllmSampler) in its place; the compact cache goes through sample_rows."""
-    if sampler is not None:
-        prompt_ids = unpadded_prompt_ids(tokenizer, items)
-        completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
-    else:
-        prompt_ids, completions = sample_generate(model, tokenizer, items, g, device)
+    dynamic); the compact cache and vLLM go through sample_rows."""
+    prompt_ids, completions = sample_generate(model, tokenizer, items, g, device)
     rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
     add_logprobs(rows, completion_logprobs(model, rows, g.temperature, device))
     return rows

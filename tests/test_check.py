@@ -57,6 +57,9 @@ CASES = [
     # vLLM is not installed on the machines that run these tests (tests/standins/vllm says why).
     (["generate.backend=vllm"], None, ["generate.backend is vllm, but vllm is not installed", "generate.backend=hf"]),
     (["generate.vllm_memory_fraction=1.5"], None, ["generate.vllm_memory_fraction must be in (0, 1)"]),
+    (["generate.persistent=true"], None, ["generate.persistent needs generate.backend=vllm (got hf)"]),
+    (["generate.backend=vllm", "generate.persistent=true", "generate.engine_timeout_s=0"], None,
+     ["generate.engine_timeout_s must be > 0"]),
 ]
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.generate import sample_batch
+from stages.generate import sample_rows
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.modeling import load_policy, load_tokenizer
 from stages.rl.tiny_model import create_base_model
-from stages.rl.vllm_sampler import VllmSampler
+from stages.rl.vllm_sampler import VllmSampler, compile_cache, vllm_args
 from stages.runtime.config import GenerateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,15 +44,19 @@ def vllm(monkeypatch):
 
 def sample(base, sampler, seed, g):
     torch.manual_seed(seed)
-    return sample_batch(load_policy(base, "float32").eval(), load_tokenizer(base), ITEMS, g, torch.device("cpu"),
-                        sampler)
+    rows, _ = sample_rows(load_policy(base, "float32").eval(), load_tokenizer(base), ITEMS, g, torch.device("cpu"),
+                          sampler)
+    return rows
 
 
 def test_vllm_rows_are_what_train_expects(base, vllm):
     g = GenerateConfig(backend="vllm", attempts=4, max_new_tokens=40, temperature=0.8, gpus_per_process=2)
-    sampler = VllmSampler(base, base, "float32", g.gpus_per_process, 0.4, seed=7)
+    g.vllm_memory_fraction = 0.4
+    sampler = VllmSampler(base, base, "float32", g, seed=7)
     rows = sample(base, sampler, 1, g)
     call = vllm.CALLS[0]
+    assert len(call["results"]) == 1, "every prompt of the shard goes to the engine in one call"
+    assert sampler.figures()["weights_s"] == 0.25  # read from vLLM's own log line
     assert (call["tensor_parallel_size"], call["gpu_memory_utilization"], call["dtype"], call["seed"]) == (2, 0.4,
                                                                                                         "float32", 7)
     assert call["enable_prefix_caching"] and call["model"] == str(base)
@@ -90,7 +94,7 @@ def test_vllm_rows_are_what_train_expects(base, vllm):
 def test_without_vllm_the_error_names_the_setting_and_the_fix(base, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, whatever this machine has
     with pytest.raises(RuntimeError, match="generate.backend is vllm.*pip install vllm.*generate.backend=hf"):
-        VllmSampler(base, base, "float32", 1, 0.5, seed=0)
+        VllmSampler(base, base, "float32", GenerateConfig(backend="vllm"), seed=0)
 
 
 @pytest.mark.slow
@@ -107,3 +111,21 @@ def test_one_iteration_with_the_vllm_backend(tmp_path):
     rows = [json.loads(line) for line in (run / "iter_00000" / "generate" / "rank_00000.jsonl").open()]
     assert len(rows) == 4 and all(len(r["logprobs"]) == len(r["completion_ids"]) for r in rows)
     assert (run / "models" / "iter_00000" / "config.json").is_file()
+
+
+def test_every_iteration_of_a_run_finds_the_same_compile_cache(base, vllm, tmp_path):
+    g = GenerateConfig(backend="vllm")
+    export = tmp_path / "models" / "iter_00003"
+    export.mkdir(parents=True)
+    config = json.loads((base / "config.json").read_text())
+    config["_name_or_path"] = str(export)  # bookkeeping that differs between exports
+    (export / "config.json").write_text(json.dumps(config))
+    args = vllm_args(base, base, "bfloat16", g, 0, sleep_mode=False)
+    first = compile_cache(tmp_path / "cache", base, args)
+    assert compile_cache(tmp_path / "cache", export, vllm_args(export, export, "bfloat16", g, 5, False)) == first
+    # What changes the compiled code changes the key.
+    g.vllm_enforce_eager = True
+    assert compile_cache(tmp_path / "cache", base, vllm_args(base, base, "bfloat16", g, 0, False)) != first
+    config["num_hidden_layers"] += 1
+    (export / "config.json").write_text(json.dumps(config))
+    assert compile_cache(tmp_path / "cache", export, args) != first

@@ -109,6 +109,16 @@ class GenerateConfig:
     # gpus_per_process GPUs; the share of each GPU's memory it may take, the rest holding the HF
     # copy of the policy that computes the old log-probs.
     vllm_memory_fraction: float = 0.5
+    # backend "vllm": run eagerly, without torch.compile and CUDA graphs (a shorter start-up, slower
+    # decoding; docs/benchmarks.md has both on the reference workload).
+    vllm_enforce_eager: bool = False
+    # backend "vllm": keep one engine per generate rank alive for the whole run (stages/engine.py, a
+    # job step beside the stages) instead of starting vLLM in every iteration's generate. Between
+    # generate steps it sleeps, its GPU memory freed for train; each generate step has it load the
+    # policy of models/iter_{I-1} in place. A dead engine is started again for the next generate.
+    persistent: bool = False
+    # persistent: how long a generate step waits for its engine to start and answer (s).
+    engine_timeout_s: float = 1800.0
 
     def __post_init__(self):
         _positive("generate.attempts", self.attempts)
@@ -125,6 +135,11 @@ class GenerateConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generate.top_p must be in (0, 1] (got {self.top_p})")
         _choice("generate.backend", self.backend, ("hf", "vllm"))
+        if self.persistent and self.backend != "vllm":
+            raise ConfigError(f"generate.persistent needs generate.backend=vllm (got {self.backend}): the HF "
+                              "backend loads in seconds; set generate.backend=vllm or generate.persistent=false")
+        if not self.engine_timeout_s > 0:
+            raise ConfigError(f"generate.engine_timeout_s must be > 0 (got {self.engine_timeout_s})")
         _choice("generate.cache", self.cache, ("compact", "static", "dynamic"))
         _choice("generate.logprobs", self.logprobs, ("auto", "sampler", "recompute"))
         if self.logprobs == "sampler" and not self._sampler_records_logprobs():

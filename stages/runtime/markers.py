@@ -28,12 +28,15 @@ HASH_LIMIT_BYTES = 64 << 20
 
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    write_bytes_atomic(path, text.encode())
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    write_bytes_atomic(path, text.encode(), mode)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """`mode`: the file's permissions, set before anything is written (a secret is never readable)."""
     with _replacing(path) as tmp, open(tmp, "wb") as f:
+        if mode is not None:
+            os.chmod(tmp, mode)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

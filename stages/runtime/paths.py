@@ -89,6 +89,18 @@ class RunPaths:
         save and persist see a redone train as changed input even when its loss curve is the same."""
         return self.stage_dir(it, "train") / "local_checkpoint.json"
 
+    def vllm_cache(self, rank: int) -> Path:
+        """generate rank `rank`'s vLLM cache (torch.compile artifacts), kept across iterations."""
+        return self.root / "cache" / "vllm" / f"rank_{rank:05d}"
+
+    @property
+    def engines(self) -> Path:
+        """Where long-lived generation engines (generate.persistent) say where they listen."""
+        return self.root / "engines"
+
+    def engine_address(self, rank: int) -> Path:
+        return self.engines / f"rank_{rank:05d}.json"
+
     def stage_state(self, it: int, stage: str) -> Path:
         """The coordinator's record of a stage in flight or failed (state, attempt, ranks, hosts)."""
         return self.markers(it) / f"{stage}.state.json"

@@ -78,10 +78,20 @@ PER_NODE_STAGES = tuple(s.name for s in PIPELINE if s.every_node)
 BACKGROUND_STAGES = tuple(s.name for s in PIPELINE if s.done_before)
 
 
+# Services: long-lived steps beside the stages, with no markers of their own, each laid out like
+# the stage it serves. The engine (stages/engine.py, generate.persistent) samples for generate.
+SERVICES = {"engine": "generate"}
+
+
 def stage(name: str) -> Stage:
     return BY_NAME[name]
 
 
+def layout(name: str) -> Stage:
+    """The stage whose process layout `name` (a stage or a service) has."""
+    return BY_NAME[SERVICES.get(name, name)]
+
+
 def group_size(name: str, generate_group: int) -> int:
     """Ranks one task of `name` stands for: generate.gpus_per_process for the grouped stages, else 1."""
-    return generate_group if stage(name).grouped else 1
+    return generate_group if layout(name).grouped else 1
