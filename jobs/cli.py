@@ -13,6 +13,7 @@ import sys
 
 from stages.runtime.config import ConfigError, load_config
 from stages.runtime.paths import STAGES
+from stages.runtime.pipeline import SERVICES
 
 log = logging.getLogger("syncrl")
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("tail", help="per-rank logs of one stage, merged in time order")
     p.add_argument("run_dir")
     p.add_argument("--iteration", type=int, help="default: the latest stage that ran")
-    p.add_argument("--stage", choices=STAGES)
+    p.add_argument("--stage", choices=STAGES + tuple(SERVICES), help="a stage, or the generation engines (engine)")
     p.add_argument("--attempt", type=int, help="default: the latest attempt")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--rank", type=int)

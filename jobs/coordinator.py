@@ -201,10 +201,11 @@ class Coordinator:
         retrying = policies.stage_attempts(
             retry.attempts, retry.backoff_s, retry.max_backoff_s, StageFailed,
             lambda n, e: f"iteration {it} {stage} failed (attempt {n} of {retry.attempts}), retrying: {e}")
-        for attempt_state in retrying:
+        for tries, attempt_state in enumerate(retrying):
             with attempt_state:
                 if stage == "generate":
-                    self.engines.ensure(it)
+                    # After a failed attempt its engines are not trusted (one may hang): new ones serve the next.
+                    self.engines.ensure(it, fresh=tries > 0)
                 step, attempt = self._take_early(it, stage)
                 if step is None:
                     attempt = self.paths.attempts_so_far(it, stage) + 1

@@ -3,7 +3,8 @@
 One job step (stages/engine.py, one task per generate rank) runs from the first generate that needs
 it to the end of the run. Before every generate attempt, and before an early-started generate's
 turn, the coordinator checks that the step is still running and starts a new one when it is not: a
-dead engine costs the attempt it was serving, never the run. Torch-free.
+dead engine costs the attempt it was serving, never the run. A generate attempt that failed gets
+new engines for the next, so that a hung one cannot fail it again. Torch-free.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ class Engines:
         self.step = None
         self.started_at, self.attempt = None, 0
 
-    def ensure(self, it: int) -> None:
-        """The engines are running (started now, with iteration `it`'s policy, if they were not)."""
-        if not self.enabled or (self.step is not None and self.step.running()):
+    def ensure(self, it: int, fresh: bool = False) -> None:
+        """The engines are running (started now, with iteration `it`'s policy, if they were not, or
+        if `fresh`)."""
+        if not self.enabled or (self.step is not None and self.step.running() and not fresh):
             return
-        if self.step is not None:
+        if self.step is not None and fresh:
+            log.info("iteration %d generation engines: replacing them after the failed attempt", it)
+            self.stop()
+        elif self.step is not None:
             result = self.step.wait(1)
             log.warning("the generation engines started at iteration %d have exited (exit codes %s): starting "
                         "them again; their logs: %s", self.started_at, sorted(set(result.returncodes.values())),

@@ -64,3 +64,39 @@ def test_node_local_checkpoints_export_the_weights_the_shards_hold(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_export_matches_the_durable_copy(run, 1)  # iteration 0's durable copy is pruned (keep 1)
+
+
+def vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(gpu_count() < 1 or not vllm_importable(), reason="needs a GPU and vLLM")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_two_iterations_with_the_real_vllm_engine(tmp_path, persistent):
+    # The real engine on the GPU: rows whose old log-probs are the policy's (the generate stage's
+    # pass), and with generate.persistent one engine that serves iteration 1 the weights of iteration 0.
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
+                           "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
+                           "generate.backend=vllm", f"generate.persistent={str(persistent).lower()}",
+                           "--launcher", "local"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from stages.rl.modeling import load_tokenizer
+
+    eos = load_tokenizer(run / "models" / "base").eos_token_id
+    engines = []
+    for it in (0, 1):
+        marker = json.loads((run / f"iter_{it:05d}" / "markers" / "generate.rank_00000.done").read_text())
+        assert marker["rows"] == 32 * 8 and marker["new_tokens"] > 0
+        engines.append(marker["sampling"]["engine"])
+        rows = [json.loads(line) for line in (run / f"iter_{it:05d}" / "generate" / "rank_00000.jsonl").open()]
+        assert all(len(r["logprobs"]) == len(r["completion_ids"]) > 0 for r in rows)
+        assert all(r["truncated"] or r["completion_ids"][-1] == eos for r in rows)
+    if persistent:
+        assert engines[0]["engine_pid"] == engines[1]["engine_pid"]
+        assert engines[1]["served"] == str(run / "models" / "iter_00000") and engines[1]["reload_s"] > 0
+    else:
+        # vLLM's start-up lines were read in both iterations.
+        assert all(e["weights_s"] > 0 and e["engine_start_s"] > 0 for e in engines)

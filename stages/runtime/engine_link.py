@@ -21,6 +21,7 @@ import time
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
+from stages.runtime.dist import node_name
 from stages.runtime.markers import write_text_atomic
 from stages.runtime.paths import RunPaths
 
@@ -41,7 +42,7 @@ def receive(conn: Connection, timeout_s: float, what: str) -> dict:
 
 def publish_address(paths: RunPaths, rank: int, port: int, key: bytes, extra: dict) -> None:
     """The engine's address file, written last: once it exists the engine answers."""
-    record = {"host": socket.gethostname(), "port": port, "pid": os.getpid(), "key": key.hex(),
+    record = {"host": socket.gethostname(), "node": node_name(), "port": port, "pid": os.getpid(), "key": key.hex(),
               "time": time.time(), **extra}
     path = paths.engine_address(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +106,7 @@ class EngineClient:
         if reply["served"] != str(self.weights):
             raise RuntimeError(f"{what} served {reply['served']}, not {self.weights}")
         self._figures = {**reply["figures"], "served": reply["served"], "engine_pid": address["pid"],
-                         "engine_host": address["host"], "engine_started": address["time"]}
+                         "engine_node": address["node"], "engine_started": address["time"]}
         log.info("engine (pid %d) served %s: %s", address["pid"], reply["served"],
                  ", ".join(f"{k} {v:.2f}" for k, v in reply["figures"].items() if isinstance(v, float)))
         return reply["completions"]

@@ -42,6 +42,11 @@ sys.path.insert(0, str(ROOT))
 from stages.runtime import pipeline  # noqa: E402 (needs ROOT on the path)
 from stages.runtime.paths import STAGES  # noqa: E402
 from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, bound, model_bytes  # noqa: E402
+# The vLLM engine's figures in the generate marker, as the report names them.
+ENGINE_FIGURES = {"engine_start_s": "start-up, in all", "weights_s": "weights loaded", "compile_s": "torch.compile",
+                  "graph_capture_s": "CUDA graphs", "init_engine_s": "profile+KV+warmup",
+                  "wake_weights_s": "wake: weights", "reload_s": "load new weights", "wake_cache_s": "wake: KV cache",
+                  "engine_sample_s": "sampling, engine", "sleep_s": "sleep"}
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
 
 
@@ -213,6 +218,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "graph_capture_s": max(r.get("sampling", {}).get("graph_capture_s", 0.0) for r in gen),
                 "decode_steps": max(r.get("sampling", {}).get("steps", 0) for r in gen),
                 "spilled": sum(r.get("sampling", {}).get("spilled", 0) for r in gen),
+                # generate.backend=vllm: the engine's figures (vllm_sampler.py, engine.py), slowest rank.
+                "engine": {k: max(r["sampling"]["engine"].get(k, 0.0) for r in gen)
+                           for k in ENGINE_FIGURES if any(k in r.get("sampling", {}).get("engine", {}) for r in gen)},
             },
             "train": {
                 "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
@@ -273,6 +281,12 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("    decode steps       ", col("generate", "decode_steps", "{:>9d}"))
     print("    spilled sequences  ", col("generate", "spilled", "{:>9d}"))
     print("  log-prob pass s      ", col("generate", "logprob_pass_s", "{:>9.1f}"))
+    engine_keys = [k for k in ENGINE_FIGURES if any(k in r["generate"]["engine"] for r in per_it)]
+    if engine_keys:
+        print("  vLLM engine (s; - where an iteration's engine did not do it):")
+        for k in engine_keys:
+            print(f"    {ENGINE_FIGURES[k]:<19}", "  ".join(f"{r['generate']['engine'][k]:>9.2f}" if k in
+                                                         r["generate"]["engine"] else f"{'-':>9}" for r in per_it))
     print(f"  (bound: weights once per decode step + the K/V each new token attends to, at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s; tests/benchmarks/decode_bound.py)")
     print("\ntrain")

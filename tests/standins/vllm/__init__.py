@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 CALLS: list[dict] = []
@@ -99,6 +100,10 @@ class LLM:
 
         if self.asleep or self.model is None:
             raise RuntimeError(f"generate() while asleep ({sorted(self.asleep)} not woken up)")
+        hang = os.environ.get("VLLM_STANDIN_HANG_ONCE")
+        if hang and os.path.exists(hang):  # fault injection for the tests: the first engine to see the file hangs
+            os.unlink(hang)
+            time.sleep(3600)
         self.calls["sampling"].append(sampling_params)
         gen = torch.Generator().manual_seed(sampling_params.seed)
         results = []
