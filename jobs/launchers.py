@@ -30,6 +30,8 @@ log = logging.getLogger("syncrl.launch")
 # srun --kill-on-bad-exit): a train peer would otherwise wait for the dead rank until its timeout.
 PEER_GRACE_S = 5.0
 POLL_S = 0.05
+# How often a step's `done` check (its ranks' markers) runs while its processes are still there.
+DONE_POLL_S = 0.2
 
 
 @dataclass
@@ -41,6 +43,9 @@ class LaunchResult:
     # False when the launcher knows only one code for the whole step (srun): failed ranks are then
     # the ranks that left no marker.
     per_rank_codes: bool = True
+    # Ranks still exiting when the step's `done` check said its work was complete (their exit code
+    # counts as 0 here; wait on the step again for the real one).
+    lingering: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -132,14 +137,18 @@ class LocalStep:
     def running(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
 
-    def wait(self, timeout_s: float = 0) -> LaunchResult:
+    def wait(self, timeout_s: float = 0, done=None) -> LaunchResult:
+        """Until every rank has exited (killing what is left at the timeout), or until `done()` is
+        true with no rank failed: the ranks still exiting are then left running (`lingering`)."""
         start = time.time()
+        lingering = ()
         try:
-            codes, timed_out = wait_all(self.procs, timeout_s)
+            codes, timed_out, lingering = wait_all(self.procs, timeout_s, done)
         finally:
-            self.cancel()
+            if not lingering:
+                self.cancel()
         host = socket.gethostname()
-        return LaunchResult(codes, time.time() - start, timed_out, {r: host for r in self.procs})
+        return LaunchResult(codes, time.time() - start, timed_out, {r: host for r in self.procs}, lingering=lingering)
 
     def cancel(self) -> None:
         for p in self.procs.values():
@@ -147,23 +156,31 @@ class LocalStep:
                 _kill(p)
 
 
-def wait_all(procs: dict[int, subprocess.Popen], timeout_s: float) -> tuple[dict[int, int], bool]:
-    """Wait for every rank; once one fails, give the rest PEER_GRACE_S, then kill them."""
+def wait_all(procs: dict[int, subprocess.Popen], timeout_s: float,
+             done=None) -> tuple[dict[int, int], bool, tuple[int, ...]]:
+    """Wait for every rank; once one fails, give the rest PEER_GRACE_S, then kill them. With `done`,
+    stop waiting once it is true and no rank has failed: (codes, timed out, ranks still running)."""
     deadline = time.monotonic() + timeout_s if timeout_s else None
     failed_at = None
+    next_check = 0.0
     while True:
         codes = {r: p.poll() for r, p in procs.items()}
         if all(c is not None for c in codes.values()):
-            return codes, False
+            return codes, False, ()
         now = time.monotonic()
         if failed_at is None and any(c not in (None, 0) for c in codes.values()):
             failed_at = now
+        if done is not None and failed_at is None and now >= next_check:
+            next_check = now + DONE_POLL_S
+            if done():
+                return {r: 0 if c is None else c for r, c in codes.items()}, False, \
+                    tuple(r for r, c in codes.items() if c is None)
         if (failed_at is not None and now - failed_at > PEER_GRACE_S) or (deadline and now > deadline):
             for p in procs.values():
                 if p.poll() is None:
                     _kill(p)
             codes = {r: p.wait() for r, p in procs.items()}
-            return codes, failed_at is None
+            return codes, failed_at is None, ()
         time.sleep(POLL_S)
 
 
@@ -291,16 +308,32 @@ class SrunStep:
     def running(self) -> bool:
         return self.proc.poll() is None
 
-    def wait(self, timeout_s: float = 0) -> LaunchResult:
+    def wait(self, timeout_s: float = 0, done=None) -> LaunchResult:
+        """Until the step ends (killed at the timeout), or until `done()` is true: its tasks are
+        then left to end by themselves (`lingering`: all of them, as srun reports no task's exit)."""
         start = time.time()
         proc = self.proc
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        code, timed_out = None, False
         try:
-            code, timed_out = proc.wait(timeout_s or None), False
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            code, timed_out = proc.wait(), True
-        finally:
+            while code is None:
+                left = deadline - time.monotonic() if deadline else None
+                if left is not None and left <= 0:
+                    _kill(proc)
+                    code, timed_out = proc.wait(), True
+                    break
+                poll = DONE_POLL_S if done is not None else None
+                if left is not None:
+                    poll = left if poll is None else min(poll, left)
+                try:
+                    code = proc.wait(poll)
+                except subprocess.TimeoutExpired:
+                    if done is not None and done():
+                        return LaunchResult({r: 0 for r in range(self.ntasks)}, time.time() - start,
+                                            per_rank_codes=False, lingering=tuple(range(self.ntasks)))
+        except BaseException:
             self.cancel()
+            raise
         self.reader.join(timeout=10)
         n = self.ntasks
         culprits = first_failed_tasks(self.messages)

@@ -79,3 +79,62 @@ def test_an_early_step_that_ended_without_success_is_started_afresh(tmp_path):
     assert coord._take_early(1, "generate") == (waiting, 2)
     assert coord._take_early(1, "train") == (None, None) and not coord.early
     waiting.cancel()
+
+
+def _procs(*scripts):
+    import subprocess
+    import sys
+
+    return {r: subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for r, code in enumerate(scripts)}
+
+
+def test_a_step_done_by_its_markers_leaves_the_ranks_still_exiting_running(tmp_path):
+    import time
+
+    from jobs.launchers import LocalStep
+
+    marker = tmp_path / "rank_1.done"
+    # Rank 0 exits at once; rank 1 writes its "marker", then takes long to exit (a slow teardown).
+    step = LocalStep(_procs("pass", f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"))
+    t0 = time.monotonic()
+    result = step.wait(30, done=marker.exists)
+    assert time.monotonic() - t0 < 10 and result.ok and result.lingering == (1,)
+    assert step.running() is False and step.procs[1].poll() is None  # rank 1 still there, not killed
+    joined = step.wait(0.5)  # the coordinator's join: past its grace it is killed
+    assert joined.timed_out and step.procs[1].poll() is not None
+
+
+def test_done_does_not_end_the_wait_once_a_rank_has_failed(tmp_path):
+    from jobs.launchers import LocalStep
+
+    marker = tmp_path / "rank_1.done"
+    step = LocalStep(_procs("raise SystemExit(3)",
+                            f"import pathlib, time; time.sleep(1); pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"))
+    result = step.wait(30, done=marker.exists)
+    # Rank 0 failed first: the peers are stopped as ever (PEER_GRACE_S), none is left running.
+    assert not result.ok and result.returncodes[0] == 3 and result.lingering == ()
+    assert all(p.poll() is not None for p in step.procs.values())
+
+
+@pytest.mark.slurm
+def test_an_srun_step_done_by_its_markers_is_left_to_exit_then_joined(slurm_cluster, tmp_path):
+    import subprocess
+    import threading
+    import time
+
+    from jobs.launchers import SrunStep, _relay_srun_messages
+
+    done = [tmp_path / f"rank_{r}.done" for r in (0, 1)]
+    proc = subprocess.Popen(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=2", "bash", "-c",
+                             f"touch {tmp_path}/rank_$SLURM_PROCID.done; sleep 120"],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    messages: list[str] = []
+    reader = threading.Thread(target=_relay_srun_messages, args=(proc.stderr, messages), daemon=True)
+    reader.start()
+    step = SrunStep(proc, reader, messages, 2)
+    t0 = time.monotonic()
+    result = step.wait(60, done=lambda: all(p.exists() for p in done))
+    assert result.ok and result.lingering == (0, 1) and time.monotonic() - t0 < 30
+    assert step.running()  # its tasks still there
+    joined = step.wait(1)
+    assert joined.timed_out and not step.running()

@@ -265,11 +265,16 @@ class RetryConfig:
     max_backoff_s: float = 60.0
     marker_wait_s: float = 10.0  # how long a missing marker is awaited (shared-filesystem lag)
     stage_timeout_s: int = 0  # kill a stage attempt after this long (0 = no limit beyond SLURM's)
+    # A stage is done once every rank's marker is in; processes still exiting then (closing NCCL
+    # groups, CUDA contexts) get this long, from when the next stage on the GPUs is due, to be gone.
+    exit_grace_s: float = 60.0
 
     def __post_init__(self):
         _positive("retry.attempts", self.attempts)
         if self.backoff_s < 0 or self.marker_wait_s < 0 or self.stage_timeout_s < 0:
             raise ConfigError("retry.backoff_s, retry.marker_wait_s and retry.stage_timeout_s must be >= 0")
+        if not self.exit_grace_s > 0:
+            raise ConfigError(f"retry.exit_grace_s must be > 0 (got {self.exit_grace_s})")
 
 
 @dataclass

@@ -42,6 +42,9 @@ class Stage:
     grouped: bool = False
     starts_early: tuple[EarlyStart, ...] = ()
     every_node: bool = False  # one task per node (for node-local files)
+    # Runs on the accelerators: the processes of stages before it that wrote their markers but had
+    # not yet exited (and so may still hold GPU memory) are waited for before it starts.
+    gpu: bool = False
     # A background stage starts at its turn and runs beside the stages after it; it must be done
     # before `done_before` = (stage, ahead) of iteration I + ahead starts, and before the run ends.
     done_before: tuple[str, int] | None = None
@@ -56,11 +59,11 @@ class Stage:
 # save, generate, score and gather, and its turn waited 3.8-7.9 s for them); in iteration 0, at
 # generate. It builds nothing on the GPU before its turn.
 PIPELINE = (
-    Stage("generate", every_rank=True, grouped=True, reads=(("save", -1),),
+    Stage("generate", every_rank=True, grouped=True, gpu=True, reads=(("save", -1),),
           starts_early=(EarlyStart(0, "train", "gather", 0),)),
     Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
     Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
-    Stage("train", every_rank=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
+    Stage("train", every_rank=True, gpu=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
           starts_early=(EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0),
                         EarlyStart(1, "train", "gather", 1))),
     Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),)),
