@@ -138,6 +138,7 @@ class Coordinator:
             markers.clear_stage(self.paths, it, stage)
             log.info("iteration %d %s: markers cleared, rerunning", it, stage)
             self.run_stage(it, stage)
+            self._join_exiting()
             stale = [f"{later}@{i}" for i in range(it, self.cfg.iterations) for later in STAGES
                      if (i, STAGES.index(later)) > (it, STAGES.index(stage)) and self._is_stale(i, later)]
             if stale:

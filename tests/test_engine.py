@@ -123,34 +123,3 @@ def test_waiting_for_an_engine_is_bounded_and_a_failed_start_ends_it(tmp_path):
     with pytest.raises(RuntimeError, match="engine of rank 1 failed to start: CUDA out of memory"):
         read_address(paths, 1, timeout_s=60)
 
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_engines_on_two_nodes_through_srun_survive_the_stages_and_a_killed_one_is_replaced(slurm_cluster, tmp_path):
-    from tests.slurm_fixture import SMALL_RUN, finished, job_log, rank_pid, sbatch, wait_for
-
-    run_dir = tmp_path / "run"
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])
-    try:
-        job = sbatch(tmp_path, "slurm/rl_2node.sbatch", "configs/local_tiny.yaml", f"run_dir={run_dir}",
-                     "iterations=3", "generate.backend=vllm", "generate.persistent=true", *SMALL_RUN)
-    finally:
-        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
-    # Kill the engine on the second node once iteration 1's generate is done with it.
-    wait_for((run_dir / "iter_00001" / "markers" / "generate.done").is_file, 400, "iteration 1's generate")
-    victim = rank_pid(run_dir / "logs" / "iter_00000" / "engine" / "attempt_1" / "rank_00001.log")
-    os.kill(victim, 9)
-    state = wait_for(lambda: finished(job), 600, f"job {job} to finish", interval=0.5)
-    out = job_log(tmp_path, job)
-    assert state == "COMPLETED", out[-3000:]
-    assert "generation engines started at iteration 0 have exited" in out
-    for rank, node in ((0, "n1"), (1, "n2")):
-        figures = [engine_figures(run_dir, it, rank) for it in range(3)]
-        assert {f["engine_node"] for f in figures} == {node}
-        # Iterations 0 and 1 asked the first engine step; iteration 2 a new one, started with its policy.
-        assert figures[0]["engine_pid"] == figures[1]["engine_pid"] != figures[2]["engine_pid"]
-        assert [f["served"] for f in figures] == [str(run_dir / "models" / m) for m in
-                                                  ("base", "iter_00000", "iter_00001")]
-        assert "reload_s" in figures[1] and "reload_s" not in figures[2]
-    assert (run_dir / "logs" / "iter_00002" / "engine" / "attempt_1" / "rank_00001.log").is_file()
-    assert list((run_dir / "engines").iterdir()) == []

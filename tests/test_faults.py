@@ -501,3 +501,40 @@ def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_dis
     assert local_store_files(store) == []
     no_half_files(run_dir)
     report("disk full during the durable copy (2 nodes)", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_engines_on_two_nodes_through_srun_survive_the_stages_and_a_killed_one_is_replaced(slurm_cluster, tmp_path,
+                                                                                           monkeypatch):
+    """generate.persistent on two nodes (vLLM's API from its stand-in, tests/test_engine.py says why):
+    one engine step serves iterations 0 and 1; its task on n2 is killed; a new step serves iteration 2."""
+    from tests.test_engine import STANDINS, engine_figures
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]))
+    job = sbatch(tmp_path, "slurm/rl_2node.sbatch", "configs/local_tiny.yaml", f"run_dir={run_dir}",
+                 "iterations=3", "generate.backend=vllm", "generate.persistent=true", *SMALL_RUN)
+    # Kill the engine on the second node once iteration 1's generate is done with it.
+    wait_for((run_dir / "iter_00001" / "markers" / "generate.done").is_file, 400, "iteration 1's generate")
+    victim = rank_pid(run_dir / "logs" / "iter_00000" / "engine" / "attempt_1" / "rank_00001.log")
+    os.kill(victim, signal.SIGKILL)
+    t_fault = time.time()
+    wait_for((run_dir / "logs" / "iter_00002" / "engine" / "attempt_1").is_dir, 300, "new engines", interval=0.1)
+    detect = time.time() - t_fault
+    wait_for((run_dir / "iter_00002" / "markers" / "generate.done").is_file, 300, "iteration 2's generate")
+    report("generation engine killed between iterations", detect, time.time() - t_fault)
+    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, f"job {job} to finish", interval=0.5)
+    out = job_log(tmp_path, job)
+    assert state == "COMPLETED", out[-3000:]
+    assert "generation engines started at iteration 0 have exited" in out
+    for rank, node in ((0, "n1"), (1, "n2")):
+        figures = [engine_figures(run_dir, it, rank) for it in range(3)]
+        assert {f["engine_node"] for f in figures} == {node}
+        # Iterations 0 and 1 asked the first engine step; iteration 2 a new one, started with its policy.
+        assert figures[0]["engine_pid"] == figures[1]["engine_pid"] != figures[2]["engine_pid"]
+        assert [f["served"] for f in figures] == [str(run_dir / "models" / m) for m in
+                                                  ("base", "iter_00000", "iter_00001")]
+        assert "reload_s" in figures[1] and "reload_s" not in figures[2]
+    assert (run_dir / "logs" / "iter_00002" / "engine" / "attempt_1" / "rank_00001.log").is_file()
+    assert list((run_dir / "engines").iterdir()) == []

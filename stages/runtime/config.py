@@ -116,6 +116,8 @@ class GenerateConfig:
     # job step beside the stages) instead of starting vLLM in every iteration's generate. Between
     # generate steps it sleeps, its GPU memory freed for train; each generate step has it load the
     # policy of models/iter_{I-1} in place. A dead engine is started again for the next generate.
+    # Under SLURM its step shares the GPUs with the stages' steps through srun --overlap, as stages
+    # started early do.
     persistent: bool = False
     # persistent: how long a generate step waits for its engine to start and answer (s).
     engine_timeout_s: float = 1800.0
