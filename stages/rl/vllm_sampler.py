@@ -84,6 +84,10 @@ class VllmSampler:
     def __init__(self, model_path: Path, tokenizer_path: Path, dtype: str, g, seed: int,
                  cache_dir: Path | None = None, sleep_mode: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # FlashInfer's top-p/top-k kernels are compiled on first use where its wheel ships none
+        # prebuilt (flashinfer-python alone): the engine's warm-up then waits minutes for nvcc. The
+        # sampling here (a temperature, at most top-p) needs none of them.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         try:
             from vllm import LLM, SamplingParams
         except ImportError as e:
