@@ -54,7 +54,8 @@ class StartupFigures(logging.Handler):
 def vllm_args(model_path: Path, tokenizer_path: Path, dtype: str, g, seed: int, sleep_mode: bool) -> dict:
     """LLM(...)'s arguments for this run's generate settings."""
     args = dict(model=str(model_path), tokenizer=str(tokenizer_path), dtype=dtype,
-                tensor_parallel_size=g.gpus_per_process, gpu_memory_utilization=g.vllm_memory_fraction, seed=seed,
+                tensor_parallel_size=g.gpus_per_process, gpu_memory_utilization=g.vllm_memory_fraction,
+                seed=seed % 2**32,  # the engine seeds numpy with it, which takes 32 bits (requests' seeds take 64)
                 enable_prefix_caching=True, enforce_eager=g.vllm_enforce_eager)
     if g.batch_size:
         args["max_num_seqs"] = g.batch_size

@@ -54,6 +54,8 @@ class LLM:
         unknown = set(kwargs) - KNOWN_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
+        if not 0 <= kwargs["seed"] < 2**32:  # as vLLM 0.26's worker, which seeds numpy with it
+            raise ValueError("Seed must be between 0 and 2**32 - 1")
         self.calls = {**kwargs, "sampling": [], "results": [], "events": []}
         CALLS.append(self.calls)
         self._load(kwargs["model"])
@@ -104,6 +106,8 @@ class LLM:
         if hang and os.path.exists(hang):  # fault injection for the tests: the first engine to see the file hangs
             os.unlink(hang)
             time.sleep(3600)
+        if sampling_params.seed is not None and not -2**63 <= sampling_params.seed < 2**63:
+            raise ValueError("a request's seed is kept as a 64-bit integer")  # vLLM 0.26's V2 model runner
         self.calls["sampling"].append(sampling_params)
         gen = torch.Generator().manual_seed(sampling_params.seed)
         results = []
