@@ -10,7 +10,8 @@ The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the use
 says otherwise): one process per rank to watch and to kill, and vLLM's own log records of its
 start-up (weights, torch.compile, CUDA graphs) reach the handler below, which turns them into the
 marker's start-up figures. Its compile cache lives under the run dir (RunPaths.vllm_cache), one per
-generate rank, so that only a run's first iteration compiles.
+generate rank, shared by the run's iterations (whether vLLM 0.26 then skips compiling is not
+measured yet: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def compile_cache(cache_dir: Path, model_path: Path, args: dict) -> Path:
 
     vLLM's own cache key counts the model's path, which is new in every iteration (models/iter_I);
     what it compiles depends only on the architecture (config.json) and the engine's settings, so
-    this key leaves the path out and every iteration of a run finds the first one's artifacts.
+    this key leaves the path out and every iteration of a run looks in the same place.
     """
     import vllm
 
