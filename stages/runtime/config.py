@@ -110,7 +110,7 @@ class GenerateConfig:
     # copy of the policy that computes the old log-probs.
     vllm_memory_fraction: float = 0.5
     # backend "vllm": run eagerly, without torch.compile and CUDA graphs: they took 17 s and 4 s of
-    # the engine's 49 s start on 1 H200 (docs/benchmarks.md), worth it only where the engine samples long.
+    # the engine's 49 s start on 1 H200 (docs/benchmarks.md); what eager decoding costs is not measured.
     vllm_enforce_eager: bool = False
     # backend "vllm": keep one engine per generate rank alive for the whole run (stages/engine.py, a
     # job step beside the stages) instead of starting vLLM in every iteration's generate. Between
