@@ -10,10 +10,11 @@ One process per run of this script, as a generate stage (or a persistent engine)
    freed), wake up with the weights of a second export loaded in place, sample again. Checks that
    the reloaded engine samples the second model, not the first.
 
-Run it twice with the same --cache to see the compile cache's effect on the second start-up.
+Run it twice with the same --cache and the same flags to see the compile cache's effect on the
+second start-up (the flags are part of the cache's key; --cycles turns sleep mode on).
 
     python tests/benchmarks/vllm_engine.py --work DIR [--cache DIR] [--eager] [--cycles 2]
-        [--prompts 256] [--attempts 8] [--new-tokens 512] [--json OUT.json]
+        [--batch-size N] [--prompts 256] [--attempts 8] [--new-tokens 512] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> int:
     parser.add_argument("--attempts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--memory-fraction", type=float, default=0.5)
+    parser.add_argument("--batch-size", type=int, default=0, help="generate.batch_size: vLLM's max_num_seqs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -60,8 +62,8 @@ def main() -> int:
                for p in synthetic_problems(args.prompts, 999, seed=0)]
     g = SimpleNamespace(attempts=args.attempts, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
                         gpus_per_process=1, vllm_memory_fraction=args.memory_fraction,
-                        vllm_enforce_eager=args.eager, batch_size=0)
-    out = {"eager": args.eager, "cache": args.cache}
+                        vllm_enforce_eager=args.eager, batch_size=args.batch_size)
+    out = {"eager": args.eager, "cache": args.cache, "batch_size": args.batch_size}
     sampler = VllmSampler(models[0], models[0], "bfloat16", g, seed=0,
                           cache_dir=Path(args.cache) if args.cache else None, sleep_mode=args.cycles > 0)
     out["startup"] = sampler.figures()
