@@ -89,3 +89,19 @@ def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_p
     variants = ["default", "nocrc", "nocrc+mmap", "nocrc+mmap+pinned"]
     assert [r["variant"] for r in rows] == variants + variants[::-1]  # mirrored second pass
     assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)
+
+
+def test_vllm_engine_benchmark_runs_its_cycles_against_the_standin(tmp_path):
+    # vLLM's API from tests/standins (vLLM cannot run here): the benchmark's own logic, the
+    # sleep/wake/reload cycle included, runs for real around it.
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "standins"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "tests/benchmarks/vllm_engine.py", "--work", str(tmp_path / "w"),
+                           "--cache", str(tmp_path / "c"), "--preset", "tiny-llama", "--cycles", "2", "--prompts",
+                           "3", "--attempts", "2", "--new-tokens", "6", "--json", str(tmp_path / "e.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reload check: model b differs from a: True | model a again equals a: True" in proc.stdout
+    import json
+    figures = json.loads((tmp_path / "e.json").read_text())
+    assert figures["startup"]["weights_s"] == 0.25 and len(figures["cycles"]) == 2
+    assert all(c["reload_s"] > 0 and c["new_tokens"] > 0 for c in figures["cycles"])

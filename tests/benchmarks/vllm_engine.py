@@ -83,7 +83,7 @@ def main() -> int:
     for i in range(args.cycles):
         target = models[(i + 1) % 2]
         slept = sampler.sleep()
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)  # CPU: the stand-in
         woke = sampler.wake_up(target)
         cycle = {"sleep_s": slept, "free_gib_asleep": free / 2**30, "total_gib": total / 2**30, **woke,
                  **sample(f"cycle {i + 1} (model {target.name[-1]})")}
