@@ -7,6 +7,7 @@ end-of-sequence handling, seeding, and that the old log-probs match what train r
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from stages.generate import sample_rows
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.modeling import load_policy, load_tokenizer
 from stages.rl.tiny_model import create_base_model
-from stages.rl.vllm_sampler import VllmSampler, compile_cache, vllm_args
+from stages.rl.vllm_sampler import VllmSampler
 from stages.runtime.config import GenerateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,19 +114,22 @@ def test_one_iteration_with_the_vllm_backend(tmp_path):
     assert (run / "models" / "iter_00000" / "config.json").is_file()
 
 
-def test_every_iteration_of_a_run_finds_the_same_compile_cache(base, vllm, tmp_path):
-    g = GenerateConfig(backend="vllm")
+def test_every_iteration_gives_the_engine_the_same_model_path(base, vllm, tmp_path, monkeypatch):
+    # vLLM keys its compile artifacts on the model's path: every iteration's export reaches the
+    # engine through one link in the rank's cache folder, which is also vLLM's cache root.
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     export = tmp_path / "models" / "iter_00003"
-    export.mkdir(parents=True)
-    config = json.loads((base / "config.json").read_text())
-    config["_name_or_path"] = str(export)  # bookkeeping that differs between exports
-    (export / "config.json").write_text(json.dumps(config))
-    args = vllm_args(base, base, "bfloat16", g, 0, sleep_mode=False)
-    first = compile_cache(tmp_path / "cache", base, args)
-    assert compile_cache(tmp_path / "cache", export, vllm_args(export, export, "bfloat16", g, 5, False)) == first
-    # What changes the compiled code changes the key.
-    g.vllm_enforce_eager = True
-    assert compile_cache(tmp_path / "cache", base, vllm_args(base, base, "bfloat16", g, 0, False)) != first
-    config["num_hidden_layers"] += 1
-    (export / "config.json").write_text(json.dumps(config))
-    assert compile_cache(tmp_path / "cache", export, args) != first
+    shutil.copytree(base, export)
+    cache = tmp_path / "cache" / "vllm" / "rank_00000"
+    g = GenerateConfig(backend="vllm")
+    try:
+        first = VllmSampler(base, base, "float32", g, seed=0, cache_dir=cache)
+        assert (cache / "policy").resolve() == Path(base).resolve()
+        second = VllmSampler(export, export, "float32", g, seed=1, cache_dir=cache)
+        assert os.environ["VLLM_CACHE_ROOT"] == str(cache)
+    finally:
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+    assert [c["model"] for c in vllm.CALLS] == [str(cache / "policy")] * 2
+    assert (cache / "policy").resolve() == export.resolve() and not list(cache.glob(".policy*"))
+    # What the engine serves is still named by its real path (the marker records it).
+    assert (first.model_path, second.model_path) == (Path(base), export)

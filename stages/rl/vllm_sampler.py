@@ -9,15 +9,15 @@ from 1. That pass needs the HF model beside the engine: generate.vllm_memory_fra
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the user's environment
 says otherwise): one process per rank to watch and to kill, and vLLM's own log records of its
 start-up (weights, torch.compile, CUDA graphs) reach the handler below, which turns them into the
-marker's start-up figures. Its compile cache lives under the run dir (RunPaths.vllm_cache), one per
-generate rank, shared by the run's iterations (whether vLLM 0.26 then skips compiling is not
-measured yet: docs/benchmarks.md).
+marker's start-up figures. Its caches (VLLM_CACHE_ROOT) live under the run dir, one folder per
+generate rank (RunPaths.vllm_cache). vLLM keys its torch.compile artifacts on the model's path among
+other things, and every iteration's export has a path of its own: the engine is given a link in that
+folder instead, the same path in every iteration, pointing at this iteration's export, so that the
+artifacts of the run's first engine serve the later ones (not yet measured: docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -65,21 +65,14 @@ def vllm_args(model_path: Path, tokenizer_path: Path, dtype: str, g, seed: int, 
     return args
 
 
-def compile_cache(cache_dir: Path, model_path: Path, args: dict) -> Path:
-    """The torch.compile cache of this architecture and these settings under `cache_dir`.
-
-    vLLM's own cache key counts the model's path, which is new in every iteration (models/iter_I);
-    what it compiles depends only on the architecture (config.json) and the engine's settings, so
-    this key leaves the path out and every iteration of a run looks in the same place.
-    """
-    import vllm
-
-    settings = {k: v for k, v in args.items() if k not in ("model", "tokenizer", "seed")}
-    architecture = json.loads((Path(model_path) / "config.json").read_text())
-    for bookkeeping in ("_name_or_path", "transformers_version"):
-        architecture.pop(bookkeeping, None)
-    key = json.dumps([vllm.__version__, architecture, settings], sort_keys=True)
-    return Path(cache_dir) / hashlib.sha256(key.encode()).hexdigest()[:16]
+def stable_link(link: Path, target: Path) -> Path:
+    """`link`, made to point at `target` (replaced in one rename: a reader never finds it missing)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(Path(target).resolve(), tmp)
+    os.replace(tmp, link)
+    return link
 
 
 class VllmSampler:
@@ -90,6 +83,8 @@ class VllmSampler:
         # prebuilt (flashinfer-python alone): the engine's warm-up then waits minutes for nvcc. The
         # sampling here (a temperature, at most top-p) needs none of them.
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if cache_dir is not None:  # before vLLM reads it
+            os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir))
         try:
             from vllm import LLM, SamplingParams
         except ImportError as e:
@@ -98,9 +93,8 @@ class VllmSampler:
                 "runs (pip install vllm), or set generate.backend=hf") from e
         self._sampling_params = SamplingParams
         self.model_path = Path(model_path)
-        args = vllm_args(model_path, tokenizer_path, dtype, g, seed, sleep_mode)
-        if cache_dir is not None:
-            args["compilation_config"] = {"cache_dir": str(compile_cache(cache_dir, model_path, args))}
+        engine_model = stable_link(Path(cache_dir) / "policy", model_path) if cache_dir is not None else model_path
+        args = vllm_args(engine_model, tokenizer_path, dtype, g, seed, sleep_mode)
         figures = StartupFigures()
         vllm_log = logging.getLogger("vllm")
         level = vllm_log.level
