@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from stages.runtime.dist import dist_info
 from stages.runtime.engine_link import failure_path, publish_address, receive, send
 from stages.runtime.logs import setup_logging
+from stages.runtime.markers import write_text_atomic
 from stages.runtime.stage import exit_now, make_context
 
 log = logging.getLogger("syncrl.engine")
@@ -40,25 +41,22 @@ REQUEST_WAIT_S = 60.0
 class Engine:
     def __init__(self, sampler):
         self.sampler = sampler
-        self.awake = True
         self.served = 0
 
     def serve(self, request: dict) -> dict:
         """Wake up with the request's weights, sample, sleep; the reply's figures time each step."""
         weights = Path(request["weights"])
         figures = dict(self.sampler.figures()) if self.served == 0 else {}  # start-up, told once
-        if not self.awake:
+        if self.sampler.asleep:
             figures.update(self.sampler.wake_up(weights))
         elif weights != self.sampler.model_path:
             figures["reload_s"] = self.sampler.load(weights)
-        self.awake = True
         t0 = time.time()
         g = SimpleNamespace(attempts=request["n"], temperature=request["temperature"], top_p=request["top_p"],
                             max_new_tokens=request["max_tokens"])
         completions = self.sampler.sample(request["prompts"], g, request["eos_token_id"], request["seed"])
         figures["engine_sample_s"] = time.time() - t0
         figures["sleep_s"] = self.sampler.sleep()
-        self.awake = False
         self.served += 1
         figures["requests_served"] = self.served
         return {"ok": True, "served": str(weights), "completions": completions, "figures": figures}
@@ -91,8 +89,9 @@ def main(argv=None) -> None:
                                                                  "attempt": ctx.attempt})
     except Exception as e:
         log.exception("the engine failed to start")
-        failed.parent.mkdir(parents=True, exist_ok=True)
-        failed.write_text(f"{type(e).__name__}: {e} (log: {paths.root}/logs/iter_{args.iteration:05d}/engine/)\n")
+        # Whole or absent, as its generate rank may read it at any moment.
+        where = paths.logs(args.iteration, "engine", ctx.attempt)
+        write_text_atomic(failed, f"{type(e).__name__}: {e} (log: {where})\n")
         print(f"engine: rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         exit_now(1)
     log.info("listening on port %d", listener.address[1])

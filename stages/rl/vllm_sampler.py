@@ -92,7 +92,8 @@ class VllmSampler:
                 f"generate.backend is vllm, but vllm cannot be imported here ({e}): install it where generate "
                 "runs (pip install vllm), or set generate.backend=hf") from e
         self._sampling_params = SamplingParams
-        self.model_path = Path(model_path)
+        self.model_path = Path(model_path)  # the weights it holds (or held, asleep)
+        self.asleep = False
         engine_model = stable_link(Path(cache_dir) / "policy", model_path) if cache_dir is not None else model_path
         args = vllm_args(engine_model, tokenizer_path, dtype, g, seed, sleep_mode)
         figures = StartupFigures()
@@ -142,14 +143,14 @@ class VllmSampler:
         """Free the engine's GPU memory (weights and KV cache: the next weights replace them)."""
         t0 = time.time()
         self.llm.sleep(level=2)
+        self.asleep = True
         return time.time() - t0
 
     def load(self, model_path: Path) -> float:
         """Load `model_path`'s weights in place while awake; seconds taken."""
         t0 = time.time()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_path)})
+        self._reload(model_path)
         self.llm.reset_prefix_cache()  # its entries were computed with the previous weights
-        self.model_path = Path(model_path)
         return time.time() - t0
 
     def wake_up(self, model_path: Path) -> dict:
@@ -157,9 +158,13 @@ class VllmSampler:
         t0 = time.time()
         self.llm.wake_up(tags=["weights"])
         t1 = time.time()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_path)})
-        self.model_path = Path(model_path)
+        self._reload(model_path)
         t2 = time.time()
         # Sleeping cleared the prefix cache, whose entries the previous weights computed.
         self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
         return {"wake_weights_s": t1 - t0, "reload_s": t2 - t1, "wake_cache_s": time.time() - t2}
+
+    def _reload(self, model_path: Path) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_path)})
+        self.model_path = Path(model_path)

@@ -90,7 +90,8 @@ class RunPaths:
         return self.stage_dir(it, "train") / "local_checkpoint.json"
 
     def vllm_cache(self, rank: int) -> Path:
-        """generate rank `rank`'s vLLM cache (torch.compile artifacts), kept across iterations."""
+        """generate rank `rank`'s vLLM caches (its VLLM_CACHE_ROOT) and the link its engine loads each
+        export through, kept across iterations (stages/rl/vllm_sampler.py)."""
         return self.root / "cache" / "vllm" / f"rank_{rank:05d}"
 
     @property
