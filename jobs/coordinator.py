@@ -23,7 +23,7 @@ from jobs.base_model import create_base_model
 from jobs.check import check, first_int, frozen_config_problem, resolve_paths
 from jobs.engines import Engines
 from jobs.metrics import MetricsLog
-from stages.runtime import markers, pipeline
+from stages.runtime import local_checkpoints, markers, pipeline
 from stages.runtime import retry as policies
 from stages.runtime.config import ConfigError, RunConfig, config_hash, dump_config, load_config
 from stages.runtime.dist import allocation
@@ -44,6 +44,14 @@ def describe_os_error(e: OSError) -> str:
 
 class StageFailed(RuntimeError):
     """A stage attempt failed; the message is the user-facing summary."""
+
+
+class CheckpointLost(RuntimeError):
+    """Train of `iteration` marked done, then failed to write its checkpoint (train.deferred_checkpoint)."""
+
+    def __init__(self, iteration: int, attempt: int, message: str):
+        super().__init__(message)
+        self.iteration, self.attempt = iteration, attempt
 
 
 def prepare_run(cfg: RunConfig) -> RunPaths:
@@ -92,6 +100,10 @@ class Coordinator:
         self.background: dict[tuple[int, str], tuple[object, int, float]] = {}
         # (it, stage) -> the step of a stage done by its markers whose processes had not all exited
         self.exiting: dict[tuple[int, str], object] = {}
+        # iteration -> the result of its train's processes that failed writing the checkpoint after the marker
+        self.lost_writers: dict[int, object] = {}
+        # iteration -> how many of its trains this coordinator redid for a lost checkpoint (bounded by retry.attempts)
+        self.redone: dict[int, int] = {}
         self.start_early = False
         self.engines = Engines(cfg, launcher, self.paths)
 
@@ -99,11 +111,23 @@ class Coordinator:
         with self._locked():
             t0 = time.time()
             self.start_early = self._starts_early()
-            for it in range(self.cfg.iterations):
-                self.run_iteration(it)
-            for key in sorted(self.background):
-                self.run_stage(*key)
-            self._join_exiting()
+            it = 0
+            while True:
+                try:
+                    while it < self.cfg.iterations:
+                        self.run_iteration(it)
+                        it += 1
+                    for key in sorted(self.background):
+                        self.run_stage(*key)
+                    self._join_exiting()
+                    if self.cfg.iterations:
+                        self._deferred_checkpoint_of(self.cfg.iterations - 1)
+                    break
+                except CheckpointLost as lost:
+                    # Redo that train, then what its new weights change (by fingerprint: its save, and
+                    # the next iteration's generate, score and gather).
+                    self._forget_train(lost)
+                    it = lost.iteration
             log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
                      self.paths.root)
 
@@ -137,8 +161,14 @@ class Coordinator:
         with self._locked():
             markers.clear_stage(self.paths, it, stage)
             log.info("iteration %d %s: markers cleared, rerunning", it, stage)
-            self.run_stage(it, stage)
-            self._join_exiting()
+            try:
+                self.run_stage(it, stage)
+                self._join_exiting()
+                if stage == "train":
+                    self._deferred_checkpoint_of(it)
+            except CheckpointLost as lost:
+                raise StageFailed(f"{lost}\nRedo it: syncrl rerun {self.paths.root} --iteration {lost.iteration} "
+                                  f"--stage train") from None
             stale = [f"{later}@{i}" for i in range(it, self.cfg.iterations) for later in STAGES
                      if (i, STAGES.index(later)) > (it, STAGES.index(stage)) and self._is_stale(i, later)]
             if stale:
@@ -199,8 +229,10 @@ class Coordinator:
         inputs = self._needs_doing(it, stage)
         if inputs is None:
             return 0.0
+        if stage == "train" and it > 0:
+            self._deferred_checkpoint_of(it - 1)  # what this train resumes from
         if pipeline.stage(stage).gpu:
-            self._join_exiting()
+            self._join_exiting(before=stage)
         self._start_successors_early(it, stage)
         launched = 0.0
         background = (it, stage) in self.background
@@ -224,7 +256,7 @@ class Coordinator:
                 if step is None:
                     step = self._start(it, stage, attempt)
                 n = self.launcher.ntasks(stage)
-                result = step.wait(retry.stage_timeout_s, done=lambda: self._all_marked(it, stage, n, inputs))
+                result = step.wait(retry.stage_timeout_s, done=lambda: self._all_marked(it, stage, n, inputs, attempt))
                 launched += result.elapsed_s
                 self._check_attempt(it, stage, attempt, inputs, result)
         if result.lingering:
@@ -237,8 +269,10 @@ class Coordinator:
         released = [(key, early_attempt) for key, (_, early_attempt, after) in self.early.items() if after == go]
         for (it2, nxt), _ in released:
             self._join_background_before(it2, nxt)
+            if nxt == "train" and it2 > 0:
+                self._deferred_checkpoint_of(it2 - 1)
             if pipeline.stage(nxt).gpu:
-                self._join_exiting()
+                self._join_exiting(before=nxt)
             if nxt == "generate":
                 self.engines.ensure(it2)
         for (it2, nxt), early_attempt in released:
@@ -246,16 +280,28 @@ class Coordinator:
         self._write_stage_marker(it, stage, inputs, first_start, attempt)
         return launched
 
-    def _all_marked(self, it: int, stage: str, n: int, inputs: str) -> bool:
-        """Every rank of the attempt has written a marker that counts (a listing first: cheap)."""
-        return len(markers.rank_markers_present(self.paths, it, stage) & set(range(n))) == n and \
+    def _all_marked(self, it: int, stage: str, n: int, inputs: str, attempt: int) -> bool:
+        """Every rank has written a marker that counts in this attempt (a listing first: cheap). A
+        marker of an earlier attempt does not: its rank may have failed after writing it (train
+        writing its checkpoint after its marker), and a rank that skips its done work writes none,
+        so such a stage is done when its processes have exited."""
+        if len(markers.rank_markers_present(self.paths, it, stage) & set(range(n))) != n:
+            return False
+        found = [markers.read_marker(self.paths, it, stage, r) for r in range(n)]
+        return all(m is not None and m.get("attempt") == attempt for m in found) and \
             not self._ranks_without_marker(it, stage, n, inputs, wait=False)
 
-    def _join_exiting(self) -> None:
+    def _join_exiting(self, before: str | None = None) -> None:
         """Wait for the processes of finished stages still exiting; kill those past retry.exit_grace_s
-        (a teardown that hangs holds nothing up)."""
+        (a teardown that hangs holds nothing up). Before `stage` (None: all): a train still writing
+        its checkpoint after its marker is joined only before the next train (_deferred_checkpoint_of)."""
         grace = self.cfg.retry.exit_grace_s
+        writing = self._writing()
         for (it, stage), step in sorted(self.exiting.items()):
+            if (it, stage) in writing:
+                if before in (None, "train"):
+                    self._join_writer(it)
+                continue
             result = step.wait(grace)
             if result.timed_out:
                 log.warning("iteration %d %s: rank(s) still running %.0fs after the stage was done were killed",
@@ -263,7 +309,71 @@ class Coordinator:
             elif not result.ok:
                 log.warning("iteration %d %s: a rank exited with %s after writing its marker (its outputs are "
                             "whole and stand)", it, stage, sorted(set(result.returncodes.values()) - {0}))
+            del self.exiting[(it, stage)]
+
+    def _writing(self) -> set[tuple[int, str]]:
+        """The train steps still running that write their checkpoint after their marker."""
+        return {(it, stage) for it, stage in self.exiting if stage == "train" and
+                local_checkpoints.deferred(self.paths, it)}
+
+    def _join_writer(self, it: int) -> None:
+        """Wait (at most retry.stage_timeout_s) for train of iteration `it` to finish writing its
+        checkpoint; a failed writer is remembered for _deferred_checkpoint_of."""
+        step = self.exiting.pop((it, "train"))
+        t0 = time.time()
+        result = step.wait(self.cfg.retry.stage_timeout_s)
+        if result.ok:
+            log.info("iteration %d train  checkpoint written (waited %.1fs for it)", it, time.time() - t0)
+        else:
+            self.lost_writers[it] = result
+
+    def _deferred_checkpoint_of(self, it: int) -> None:
+        """Before the next train (and at the run's end): the checkpoint train of iteration `it` wrote
+        after its marker is whole, or CheckpointLost."""
+        if (it, "train") in self.exiting:
+            self._join_writer(it)
+        problem = local_checkpoints.deferred_problem(self.paths, it)
+        if problem is None:
+            self.lost_writers.pop(it, None)
+            return
+        marker = markers.read_marker(self.paths, it, "train") or {}
+        attempt = marker.get("attempt", self.paths.attempts_so_far(it, "train"))
+        result = self.lost_writers.pop(it, None)
+        n = self.launcher.ntasks("train")
+        ranks = sorted(result.failed_ranks if result is not None else []) or \
+            [r for r in range(n) if markers.read_failure_record(self.paths, it, "train", r, attempt)]
+        if result is None:
+            why = "did not finish it (no writer ran in this coordinator)"
+        elif ranks:
+            why = f"failed on rank(s) {','.join(map(str, ranks))}"
+        else:
+            why = "timed out" if result.timed_out else f"failed (exit codes {sorted(set(result.returncodes.values()))})"
+        tails = self._log_tails(it, "train", attempt, ranks or list(range(n)), result) if result is not None else ""
+        raise CheckpointLost(it, attempt, f"iteration {it} train attempt {attempt} wrote its marker, then {why} "
+                                          f"writing its checkpoint: {problem}" + (f"\n{tails}" if tails else ""))
+
+    def _forget_train(self, lost: CheckpointLost) -> None:
+        """Clear the train whose checkpoint is lost so that it is redone, or stop once it has had
+        retry.attempts attempts. What was started ahead of it is stopped: it read or waited on that train."""
+        log.warning("%s", lost)
+        self.redone[lost.iteration] = self.redone.get(lost.iteration, 0) + 1
+        for step in [*(s for s, _, _ in [*self.early.values(), *self.background.values()]), *self.exiting.values()]:
+            step.cancel()
+        self.early.clear()
+        self.background.clear()
         self.exiting.clear()
+        # Its save exported the weights of the lost attempt, and the next iteration sampled from them: a
+        # fingerprint would not always show it (an export above markers.HASH_LIMIT_BYTES is recorded by size).
+        later = [(lost.iteration, "train"), (lost.iteration, "save")] + \
+            [(lost.iteration + 1, s) for s in STAGES if lost.iteration + 1 < self.cfg.iterations]
+        for it, stage in later:
+            markers.clear_stage(self.paths, it, stage)
+        self._write_state(lost.iteration, "train", "failed", lost.attempt)
+        if self.redone[lost.iteration] >= self.cfg.retry.attempts:
+            raise StageFailed(f"{lost}\n{self.redone[lost.iteration]} attempts of iteration {lost.iteration} train "
+                              f"lost their checkpoint (retry.attempts: {self.cfg.retry.attempts})")
+        log.warning("iteration %d train: redoing it, its save and iteration %d's stages", lost.iteration,
+                    lost.iteration + 1)
 
     def _starts_early(self) -> bool:
         mode = self.cfg.start_early

@@ -1,5 +1,9 @@
 """save: consolidate this iteration's DeepSpeed checkpoint on CPU into an HF model under models/iter_I.
 
+When train writes its checkpoint after its marker (train.deferred_checkpoint), the weights come from
+the policy file train wrote before it (its module's, in the training dtype: the fp32 master weights
+as the optimizer step rounded them); the next save removes it.
+
 With node-local checkpoints (train.local_checkpoint_dir) the weights come from the model states of
 this node's copy (ZeRO 1 and 2 keep them whole there, in the training dtype), or of the durable
 copy once the persist stage has made it.
@@ -41,7 +45,7 @@ def main(ctx: StageContext) -> None:
         pruning = pool.submit(prune_checkpoints, ctx)
         consolidate_s, export_s, target = export_and_publish(ctx, tag)
         pruned = pruning.result()
-    pruned += prune_models(ctx)
+    pruned += prune_models(ctx) + prune_policies(ctx)
     if pruned:
         log.info("pruned %s", ", ".join(pruned))
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
@@ -87,8 +91,19 @@ def preload(ctx) -> None:
 def read_weights(ctx: StageContext, tag: str) -> dict:
     """The trained weights: consolidated from the ZeRO shards in the run dir, or, when train wrote
     node-local checkpoints, the model states of this node's copy (else of the persisted one)."""
+    policy = ctx.paths.train_policy(ctx.iteration)
+    if local_checkpoints.deferred(ctx.paths, ctx.iteration) and policy.is_file():
+        from safetensors.torch import load_file
+
+        log.info("reading the weights from %s (train writes its checkpoint after its marker)", policy)
+        return load_file(policy)
     recorded = local_checkpoints.recorded(ctx.paths, ctx.iteration)
     if not recorded:
+        problem = local_checkpoints.deferred_problem(ctx.paths, ctx.iteration)
+        if problem:
+            raise MissingInput(f"iteration {ctx.iteration}: {policy} is gone (removed by a later save) and the "
+                               f"checkpoint is not there whole ({problem}): redo train: syncrl rerun "
+                               f"{ctx.paths.root} --iteration {ctx.iteration} --stage train")
         return consolidate(ctx.paths.checkpoints, tag)
     here = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     problems = []
@@ -145,8 +160,24 @@ def verify(out: Path, weights: dict, dtype: str) -> None:
 
 
 def prune_checkpoints(ctx: StageContext) -> list[str]:
-    """Remove DeepSpeed checkpoints beyond save.keep_checkpoints; never one newer than this iteration."""
+    """Remove DeepSpeed checkpoints beyond save.keep_checkpoints; never one newer than this iteration.
+    A checkpoint train writes after its marker may not be there yet: train prunes once it is."""
+    if local_checkpoints.deferred(ctx.paths, ctx.iteration):
+        return []
     return markers.prune_iterations(ctx.paths, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints, ctx.iteration)
+
+
+def prune_policies(ctx: StageContext) -> list[str]:
+    """Train's copies of the policy's weights (train.deferred_checkpoint) of earlier iterations: each
+    is as large as its export. This iteration's stays until the next save (persist and a rerun of
+    this save may read train's outputs)."""
+    removed = []
+    for it in range(ctx.iteration):
+        policy = ctx.paths.train_policy(it)
+        if policy.is_file():
+            policy.unlink()
+            removed.append(str(policy.relative_to(ctx.paths.root)))
+    return removed
 
 
 def prune_models(ctx: StageContext) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import flops
+from stages.rl import deferred_checkpoint, flops
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
@@ -34,7 +35,7 @@ from stages.runtime.config import deepspeed_derived
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.memory import release_cached_memory
-from stages.runtime.stage import StageContext, run_stage, write_failure_record
+from stages.runtime.stage import MissingInput, StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
 
@@ -117,24 +118,45 @@ def set_up(ctx: StageContext) -> TrainRun:
 
 
 def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, train_s: float) -> None:
-    """The checkpoint, the loss curve, the figures of all ranks and the marker."""
+    """The checkpoint, the loss curve, the figures of all ranks and the marker.
+
+    With a deferred checkpoint (train.deferred_checkpoint) the marker comes once the checkpoint
+    is in host memory and the policy's weights are written for save; the checkpoint reaches the
+    disk after it, beside the next stages (write_deferred)."""
     t = ctx.cfg.train
     tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
     run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    local = write_checkpoint(ctx, run.engine)
+    writes = defer_writes(ctx, run.engine)
+    local = write_checkpoint(ctx, run.engine, publish=writes is None)
     run.watchdog.beat("finish")
+    outputs, extra, checkpoint_id = [], {"prunable": [f"checkpoints/{tag}/"]}, None
+    if ctx.rank == 0 and not local:
+        outputs = [ctx.paths.checkpoints / tag]
+    if writes is not None:
+        # The checkpoint is not on disk yet: the marker lists the policy's weights instead, and a
+        # record with this attempt's id (the policy file is too large to hash: a redone train must
+        # still read as new input to save).
+        checkpoint_id = dist.agree(uuid.uuid4().hex)
+        record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
+        if ctx.rank == 0:
+            outputs = [write_policy(ctx, writes), record]
+            markers.write_json_atomic(record, {"id": checkpoint_id})
+        extra = {"deferred_checkpoint": {"id": checkpoint_id, "snapshot_s": writes.snapshot_s,
+                                         "snapshot_gb": writes.held / 1e9},
+                 "prunable": [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]}
+    if local:
+        record = ctx.paths.local_checkpoint_record(ctx.iteration)
+        if ctx.rank == 0:
+            markers.write_json_atomic(record, local)
+            outputs = [record]
+        extra = {"local_checkpoint": local}
     save_s = time.time() - t2
-    outputs = []
     if ctx.rank == 0:
         curve = ctx.paths.train_curve(ctx.iteration)
         write_jsonl_atomic(curve, history)
-        outputs = [ctx.paths.checkpoints / tag, curve]
-        if local:
-            record = ctx.paths.local_checkpoint_record(ctx.iteration)
-            markers.write_json_atomic(record, local)
-            outputs = [record, curve]
+        outputs.append(curve)
     totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
     summary = {
@@ -146,13 +168,84 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         **_history_means(history),
         **_mfu(totals["flops"], train_s, ctx.world_size),
     }
-    ctx.summarize("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs",
-                  summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s)
-    # The checkpoint is whole on every rank before anyone marks done; a rank that never arrives is named.
+    ctx.summarize("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs%s",
+                  summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s,
+                  " (in host memory: written after the marker)" if writes is not None else "")
+    # What the marker lists is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
-    extra = {"local_checkpoint": local} if local else {"prunable": [f"checkpoints/{tag}/"]}
+    if writes is not None:
+        release_engine(run)
     ctx.write_marker(outputs, extra={**summary, **extra})
+    if writes is not None:
+        write_deferred(ctx, writes, checkpoint_id, run.watchdog)
     run.watchdog.stop()
+
+
+def defer_writes(ctx: StageContext, engine):
+    """The checkpoint engine that holds this iteration's checkpoint in host memory until after the
+    marker (installed in the DeepSpeed engine), or None when train writes it before the marker."""
+    why_not = deferred_checkpoint.why_not(ctx.cfg, deepspeed_config(ctx).get("zero_optimization", {}).get("stage", 0))
+    if why_not:
+        log.info("checkpoint written before the marker: %s", why_not)
+        return None
+    ranks_per_node = max(1, ctx.world_size // max(1, ctx.info.num_nodes))
+    budget = int(deferred_checkpoint.available_host_bytes() * deferred_checkpoint.HOST_MEMORY_SHARE / ranks_per_node)
+    writes = deferred_checkpoint.DeferredWrites(engine.checkpoint_engine, budget)
+    engine.checkpoint_engine = writes
+    return writes
+
+
+def write_policy(ctx: StageContext, writes) -> Path:
+    """Rank 0: the policy's weights (the model states' module, in the training dtype) as one
+    safetensors file under the train folder, for save to export before the checkpoint is on disk."""
+    from safetensors.torch import save_file
+
+    states = writes.find(local_checkpoints.MODEL_STATES)
+    if states is None:
+        raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
+                           f"set train.deferred_checkpoint=false")
+    weights, seen = {}, set()
+    for name, tensor in states["module"].items():
+        if tensor.data_ptr() in seen:
+            continue  # tied to a weight already written (save's export ties them again)
+        seen.add(tensor.data_ptr())
+        weights[name] = tensor.contiguous()
+    path = ctx.paths.train_policy(ctx.iteration)
+    tmp = path.with_name(f".{path.name}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def release_engine(run: TrainRun) -> None:
+    """Free the GPU before the marker: the next stages on it start once the marker is in, while this
+    process still writes the checkpoint from host memory."""
+    run.engine.destroy()
+    run.engine = run.ref = None
+    release_cached_memory()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved",
+                 torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9)
+
+
+def write_deferred(ctx: StageContext, writes, checkpoint_id: str, watchdog) -> None:
+    """Write the held checkpoint into the staging folder, then publish it (rank 0, once every rank's
+    files are in) with a record naming this attempt: the next train resumes only from that."""
+    t0 = time.time()
+    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
+        write_s = writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
+    dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", ctx.cfg.train.timeout_s)
+    if ctx.rank == 0:
+        staging = ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration)
+        local_checkpoints.write_record(staging, checkpoint_id, ctx.iteration, dist.node_name(), ctx.paths.root)
+        markers.publish_dir(staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
+        # Retention (save.keep_checkpoints) counts this checkpoint only now that it is there.
+        pruned = markers.prune_iterations(ctx.paths, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints,
+                                          ctx.iteration)
+        if pruned:
+            log.info("pruned %s", ", ".join(pruned))
+    log.info("checkpoint written after the marker: %.1fs of writes, %.1fs in all", write_s, time.time() - t0)
 
 
 def checkpoint_folder(ctx: StageContext) -> tuple[Path, bool]:
@@ -164,7 +257,7 @@ def checkpoint_folder(ctx: StageContext) -> tuple[Path, bool]:
     return local, ctx.info.local_rank == 0
 
 
-def write_checkpoint(ctx: StageContext, engine) -> dict | None:
+def write_checkpoint(ctx: StageContext, engine, publish: bool = True) -> dict | None:
     """DeepSpeed's checkpoint of this iteration, visible under checkpoints/iter_I only once complete.
 
     Every rank writes its shard into a staging directory; once all have (a barrier that names any
@@ -184,6 +277,8 @@ def write_checkpoint(ctx: StageContext, engine) -> dict | None:
         # save_latest=False: syncrl names the tag it resumes from; a "latest" file would name the staging one.
         engine.save_checkpoint(str(folder), tag=staging, save_latest=False,
                                client_state={"iteration": ctx.iteration})
+    if not publish:
+        return None
     dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", t.timeout_s)
     if writer:
         if local:
@@ -279,6 +374,13 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
     if ctx.iteration == 0:
         return
     tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
+    problem = local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1)
+    if problem:
+        # Written after the previous train's marker, and not (or not whole): its optimizer state is
+        # lost, and the weights save exported came with it.
+        raise MissingInput(f"iteration {ctx.iteration - 1}'s checkpoint was to be written after its train marker, "
+                           f"and is not there whole ({problem}): redo train: syncrl rerun {ctx.paths.root} "
+                           f"--iteration {ctx.iteration - 1} --stage train")
     source = resume_source(ctx, tag)
     if not (source / tag).is_dir():
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",

@@ -58,9 +58,17 @@ def test_two_iterations_then_everything_skipped(tmp_path):
     assert "iteration 1 train    started early (attempt 1): loading while train runs" in proc.stderr
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
     assert train["world_size"] == 2 and train["steps"] >= 1
-    # save.keep_checkpoints=1: iteration 1's save removed iteration 0's checkpoint (beside its export).
+    # train.deferred_checkpoint (the default): train marked done, then wrote its checkpoint; save
+    # exported from the policy file train wrote before its marker (iteration 1's save removed iteration
+    # 0's). save.keep_checkpoints=1: once iteration 1's checkpoint was there, train removed iteration 0's.
+    assert train["deferred_checkpoint"]["id"] == json.loads(
+        (run / "checkpoints" / "iter_00001" / "syncrl-checkpoint.json").read_text())["id"]
     assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_00001"]
-    assert json.loads((run / "iter_00001" / "markers" / "save.done").read_text())["pruned"] == ["checkpoints/iter_00000"]
+    train_log = (run / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00000.log").read_text()
+    assert "pruned checkpoints/iter_00000" in train_log and "checkpoint written after the marker" in train_log
+    save = json.loads((run / "iter_00001" / "markers" / "save.done").read_text())
+    assert save["pruned"] == ["iter_00000/train/policy.safetensors"]
+    assert (run / "iter_00001" / "train" / "policy.safetensors").is_file()
 
     again = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -273,8 +273,10 @@ def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(tmp
     """Local: a file-size limit on train's ranks stands in for a full disk (EFBIG, like ENOSPC)."""
     run_dir = tmp_path / "run"
     # Two checkpoints kept: redoing iteration 1's train resumes iteration 0's optimizer state.
+    # train.deferred_checkpoint=false: the checkpoint is written before train's marker (tests/
+    # test_deferred_checkpoint.py has the checkpoint written after it on a full disk).
     cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
-           *SMALL_RUN, "save.keep_checkpoints=2", "--launcher", "local"]
+           *SMALL_RUN, "save.keep_checkpoints=2", "train.deferred_checkpoint=false", "--launcher", "local"]
     assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
     ckpt = run_dir / "checkpoints" / "iter_00001"
     published = tree_bytes(ckpt)

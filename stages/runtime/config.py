@@ -215,6 +215,13 @@ class TrainConfig:
     # each node), train writes there, save exports from there, and the persist stage copies it to
     # checkpoints/iter_I while the next iteration runs, off the critical path. ZeRO stage 1 or 2.
     local_checkpoint_dir: str = ""
+    # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
+    # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint
+    # beside save and the next generate, score and gather (the next train waits for it, and a failed
+    # write redoes train). Applies with ZeRO 0-2, no local_checkpoint_dir and save.export_dtype the
+    # training dtype; otherwise, and for a checkpoint larger than half the node's free host memory,
+    # it is written before the marker.
+    deferred_checkpoint: bool = True
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)

@@ -1,5 +1,6 @@
 """Node-local checkpoints (train.local_checkpoint_dir): where a node's copy lives, the record that
 names the train attempt which wrote it, and which of its files the node carries to the durable copy.
+The same record names the attempt of a checkpoint written after train's marker (deferred).
 
 With the setting on, train writes each iteration's DeepSpeed checkpoint to fast storage on every
 node (a node holds its own ranks' shards, and its first rank writes the model states as well)
@@ -48,6 +49,21 @@ def recorded(paths: RunPaths, it: int) -> dict | None:
     """What train of iteration `it` recorded of its node-local checkpoint ({"id", "dir"}), or None
     when it wrote the run dir's checkpoints/ (or has no marker)."""
     return (markers.read_marker(paths, it, "train") or {}).get("local_checkpoint")
+
+
+def deferred(paths: RunPaths, it: int) -> dict | None:
+    """What train of iteration `it` recorded of a checkpoint it wrote after its marker
+    (train.deferred_checkpoint: {"id", ...}), or None when it wrote it before (or has no marker)."""
+    return (markers.read_marker(paths, it, "train") or {}).get("deferred_checkpoint")
+
+
+def deferred_problem(paths: RunPaths, it: int) -> str | None:
+    """Why the checkpoint train of iteration `it` wrote after its marker is not in checkpoints/
+    whole, as that attempt's (None when it is, or when train wrote it before its marker)."""
+    recorded = deferred(paths, it)
+    if recorded is None:
+        return None
+    return problem(paths.checkpoints / paths.checkpoint_tag(it), recorded["id"])
 
 
 def write_record(folder: Path, checkpoint_id: str, iteration: int, node: str, run_dir: Path) -> dict:

@@ -84,6 +84,15 @@ class RunPaths:
         """Where the persist stage gathers the nodes' files of iteration `it` before publishing them."""
         return self.checkpoints / f".{self.checkpoint_tag(it)}.persist-{checkpoint_id}.tmp"
 
+    def train_policy(self, it: int) -> Path:
+        """The policy's weights as train wrote them for save (train.deferred_checkpoint: the
+        checkpoint reaches the disk after train's marker); save removes it once it has exported."""
+        return self.stage_dir(it, "train") / "policy.safetensors"
+
+    def deferred_checkpoint_record(self, it: int) -> Path:
+        """Train's record of the attempt whose checkpoint is written after its marker (its id)."""
+        return self.stage_dir(it, "train") / "deferred_checkpoint.json"
+
     def local_checkpoint_record(self, it: int) -> Path:
         """Train's record of a node-local checkpoint (its attempt's id): an output of train, so that
         save and persist see a redone train as changed input even when its loss curve is the same."""

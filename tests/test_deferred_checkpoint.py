@@ -1,0 +1,152 @@
+"""train.deferred_checkpoint (the default): train marks done once its checkpoint is in host memory
+and the policy's weights are written for save, then writes the checkpoint beside save and the next
+iteration's generate, score and gather; the next train waits for it, and a write that fails redoes
+that train. Real DeepSpeed on CPU, two ranks, the local launcher; a real full disk (tmpfs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.slurm_fixture import rank_pid, wait_for
+from tests.test_faults import no_half_files, report, small_disk  # noqa: F401 (small_disk is a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["data.prompts_per_iteration=8", "generate.attempts=4", "train.micro_batch_size=16", "retry.backoff_s=0.5"]
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
+            *SMALL, *overrides, "--launcher", "local"]
+
+
+def syncrl_run(run_dir: Path, *overrides: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def weights(run_dir: Path, it: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "models" / f"iter_{it:05d}" / "model.safetensors")
+
+
+def same_weights(a: Path, b: Path) -> None:
+    for it in (0, 1):
+        wa, wb = weights(a, it), weights(b, it)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), it
+
+
+def attempts(run_dir: Path, it: int, stage: str) -> list[str]:
+    return sorted(p.name for p in (run_dir / "logs" / f"iter_{it:05d}" / stage).glob("attempt_*"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 2-iteration run twice: the checkpoint written after train's marker, and before it."""
+    base = tmp_path_factory.mktemp("deferred")
+    deferred, before = base / "deferred", base / "before"
+    for run_dir, extra in ((deferred, []), (before, ["train.deferred_checkpoint=false"])):
+        proc = syncrl_run(run_dir, *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return deferred, before
+
+
+def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
+    deferred, before = runs
+    same_weights(deferred, before)
+    for it in (0, 1):
+        train = json.loads((deferred / f"iter_{it:05d}" / "markers" / "train.done").read_text())
+        assert "checkpoints/iter_" not in " ".join(train["outputs"])  # not on disk when train marked done
+        assert f"iter_{it:05d}/train/policy.safetensors" in train["outputs"]
+        save_log = (deferred / "logs" / f"iter_{it:05d}" / "save" / "attempt_1" / "rank_00000.log").read_text()
+        assert f"reading the weights from {deferred}/iter_{it:05d}/train/policy.safetensors" in save_log
+        train_log = (deferred / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00001.log").read_text()
+        assert "checkpoint written after the marker" in train_log
+    # The checkpoint in place is the last train's, whole (its record names the attempt), and resumable.
+    record = json.loads((deferred / "checkpoints" / "iter_00001" / "syncrl-checkpoint.json").read_text())
+    assert record["id"] == train["deferred_checkpoint"]["id"]
+    assert sorted(record["files"]) == sorted(p.name for p in (before / "checkpoints" / "iter_00001").iterdir())
+    log = (deferred / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00001.log").read_text()
+    assert f"resumed weights and optimizer state from {deferred}/checkpoints/iter_00000" in log
+    # Written before the marker, the checkpoint is an output of train, and save consolidates it.
+    train = json.loads((before / "iter_00001" / "markers" / "train.done").read_text())
+    assert "deferred_checkpoint" not in train and any(o.startswith("checkpoints/iter_00001/") for o in train["outputs"])
+
+
+def test_a_writer_killed_mid_write_redoes_its_train(runs, tmp_path):
+    """Train's rank 1 of iteration 0 is killed after its marker, while it waits to write (tests/slow_write):
+    the next train's turn finds the checkpoint missing, and the run redoes train 0, its save and
+    iteration 1, to the weights of an undisturbed run."""
+    deferred, _ = runs
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_write"), str(ROOT)]),
+               SYNCRL_TEST_SLOW_WRITE="0:1:120")
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
+    try:
+        # Killed once the coordinator counted train done (its stage marker): killed before, the rank
+        # would fail an attempt that is simply retried.
+        wait_for(lambda: "slow_write: waiting" in (log.read_text() if log.is_file() else "") and
+                 (run_dir / "iter_00000" / "markers" / "train.done").is_file(), 300, "train 0's write")
+        t0 = time.time()
+        os.kill(rank_pid(log), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    recover = time.time() - t0
+    assert proc.returncode == 0, stderr[-4000:]
+    assert re.search(r"iteration 0 train attempt 1 wrote its marker, then failed on rank\(s\) [0-9,]+ writing its "
+                     r"checkpoint: .*iter_00000 holds no complete checkpoint", stderr), \
+        "\n".join(line for line in stderr.splitlines() if "coordinator" in line)[-4000:]
+    assert "iteration 0 train: redoing it, its save and iteration 1's stages" in stderr
+    assert attempts(run_dir, 0, "train") == ["attempt_1", "attempt_2"]
+    assert attempts(run_dir, 0, "generate") == ["attempt_1"]  # completed before the train: kept
+    assert attempts(run_dir, 1, "generate") == ["attempt_1", "attempt_2"]
+    same_weights(run_dir, deferred)
+    no_half_files(run_dir)
+    report("train's writer killed after its marker", None, recover)
+
+
+@pytest.mark.slow
+def test_disk_full_during_the_write_after_the_marker(runs, small_disk, tmp_path):
+    """checkpoints/ on a 2 MB filesystem: iteration 0's 1.4 MB checkpoint fits, iteration 1's does not
+    beside it (retention removes iteration 0's only once iteration 1's is there). Each train 1
+    attempt marks done and then fails writing; after retry.attempts the run stops, naming the
+    cause, with every completed stage kept. With space again the same command finishes the run,
+    redoing only train 1 and save 1, to the weights of an undisturbed run."""
+    deferred, _ = runs
+    run_dir = tmp_path / "run"
+    small_disk(2048, run_dir / "checkpoints")
+    t0 = time.time()
+    proc = syncrl_run(run_dir)
+    detect = time.time() - t0
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    # The writes fail within a second of the marker: the coordinator may see the attempt fail before
+    # it counts train done (a failed attempt, retried) or after (a lost checkpoint, train redone).
+    assert "iteration 1 train attempt" in proc.stderr and "failed on rank(s)" in proc.stderr, proc.stderr[-4000:]
+    assert re.search(r"No space left on device writing \S+/checkpoints/\.iter_00001\.tmp/\S+ \(0\.0 MB free",
+                     proc.stderr), proc.stderr[-4000:]
+    assert "run the same command again" in proc.stderr
+    assert not (run_dir / "checkpoints" / "iter_00001").exists()
+    kept = {p: p.stat().st_mtime_ns for p in run_dir.glob("iter_0000[01]/markers/*.done")}
+    assert run_dir / "iter_00001" / "markers" / "gather.done" in kept
+    assert not (run_dir / "iter_00001" / "markers" / "train.done").exists()
+    subprocess.run(["mount", "-o", "remount,size=16m", str(run_dir / "checkpoints")], check=True)
+    again = syncrl_run(run_dir)
+    recover = time.time() - t0
+    assert again.returncode == 0, again.stderr[-4000:]
+    launched = re.findall(r"iteration (\d) (\w+) +launching", again.stderr)
+    assert launched == [("1", "train"), ("1", "save")], again.stderr[-4000:]
+    assert all(p.stat().st_mtime_ns == t for p, t in kept.items() if p.exists())
+    same_weights(run_dir, deferred)
+    no_half_files(run_dir)
+    report("disk full while train writes its checkpoint after its marker", detect, recover)
