@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900
 
 
-def create_base_model(out_dir, preset: str, seed: int) -> Path:
-    cmd = [sys.executable, "-m", "stages.rl.tiny_model", str(out_dir), "--preset", preset, "--seed", str(seed)]
+def create_base_model(out_dir, preset: str, seed: int, dtype: str = "float32") -> Path:
+    cmd = [sys.executable, "-m", "stages.rl.tiny_model", str(out_dir), "--preset", preset, "--seed", str(seed),
+           "--dtype", dtype]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -64,7 +64,7 @@ def prepare_run(cfg: RunConfig) -> RunPaths:
     markers.write_text_atomic(paths.config, dump_config(cfg))
     if not cfg.model.path and not paths.base_model.is_dir():
         log.info("creating the built-in %s base model in %s", cfg.model.preset, paths.base_model)
-        create_base_model(paths.base_model, cfg.model.preset, cfg.seed)
+        create_base_model(paths.base_model, cfg.model.preset, cfg.seed, cfg.model.dtype)
     return paths
 
 

@@ -133,3 +133,23 @@ def test_every_iteration_gives_the_engine_the_same_model_path(base, vllm, tmp_pa
     assert (cache / "policy").resolve() == export.resolve() and not list(cache.glob(".policy*"))
     # What the engine serves is still named by its real path (the marker records it).
     assert (first.model_path, second.model_path) == (Path(base), export)
+
+
+def test_the_built_in_base_model_has_the_config_save_exports(tmp_path):
+    # vLLM's compile cache is keyed on the model's config: iteration 0's engine (the base model) and
+    # later ones (save's exports) share its entry only if both configs are the same, dtype included.
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from stages.save import export
+
+    base = create_base_model(tmp_path / "base", "tiny-llama", seed=0, dtype="bfloat16")
+    weights = load_file(base / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    export(base, weights, "bfloat16", tmp_path / "export", SimpleNamespace(tokenizer_path=lambda: base))
+    config = json.loads((base / "config.json").read_text())
+    assert config == json.loads((tmp_path / "export" / "config.json").read_text())
+    # The weights are the fp32 initialisation rounded once, as a run in bf16 loaded them before.
+    fp32 = create_base_model(tmp_path / "fp32", "tiny-llama", seed=0)
+    assert all(torch.equal(t.to(torch.bfloat16), weights[k]) for k, t in load_file(fp32 / "model.safetensors").items())

@@ -52,8 +52,10 @@ def llama_config(dims: dict, tokenizer=None):
                        tie_word_embeddings=True, **dims)
 
 
-def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int = 0) -> Path:
-    """Write an HF model (safetensors + config + tokenizer) for `preset` to out_dir, atomically."""
+def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int = 0, dtype: str = "float32") -> Path:
+    """Write an HF model (safetensors + config + tokenizer) for `preset` to out_dir, atomically,
+    initialised in fp32 and stored in `dtype` (the run's model.dtype: the same weights every stage
+    loads, and a config like that of the models save exports, which vLLM's compile cache keys on)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -65,7 +67,7 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
     tokenizer = build_tokenizer()
     config = llama_config(PRESETS[preset], tokenizer)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A staging directory of this process's own: two writers at once never share one.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -93,9 +95,10 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--preset", default="tiny-llama", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
     args = parser.parse_args(argv)
     try:
-        create_base_model(args.out_dir, args.preset, args.seed)
+        create_base_model(args.out_dir, args.preset, args.seed, args.dtype)
     except FileExistsError as e:
         print(e, file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import struct
 import subprocess
@@ -230,6 +231,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "mfu": flops / (train_s * world * peak),
                 "mfu_positions": (6 * n_params * positions / (train_s * world * peak)) if positions else None,
                 "mfu_model": tr.get("mfu"), "import_s": max(r.get("import_s", 0.0) for r in train),
+                # train.deferred_checkpoint: the copy to host memory before the marker, the write after it.
+                "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
+                "write_after_s": deferred_write_s(run_dir, it),
             },
             "startup_s": {
                 # Process start to first useful work: sampling (generate), the first update (train),
@@ -297,6 +301,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  engine start-up s    ", col("train", "startup_s", "{:>9.1f}"))
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
+    if any(r["train"]["snapshot_s"] for r in per_it):
+        print("  of which to host s   ", col("train", "snapshot_s", "{:>9.1f}"))
+        print("  written after it s   ", col("train", "write_after_s", "{:>9.1f}"), "  (beside save, generate, score, gather)")
     print("  tokens/s (all GPUs)  ", col("train", "tokens_per_s", "{:>9.0f}"))
     print("  MFU, loss tokens     ", col("train", "mfu", "{:>9.2%}"))
     print("  MFU, all positions   ", col("train", "mfu_positions", "{:>9.2%}"))
@@ -348,6 +355,13 @@ def visible_import_s(marker: dict) -> float:
     if "started_early_waited_s" in marker:
         return marker.get("started_early_late_s", 0.0)
     return marker.get("import_s", 0.0)
+
+
+def deferred_write_s(run_dir: Path, it: int) -> float:
+    """Seconds train's rank 0 spent writing its checkpoint after its marker (its log says), 0 if it did not."""
+    logs = sorted((run_dir / "logs" / f"iter_{it:05d}" / "train").glob("attempt_*/rank_00000.log"))
+    found = re.findall(r"checkpoint written after the marker: ([0-9.]+)s of writes", logs[-1].read_text()) if logs else []
+    return float(found[-1]) if found else 0.0
 
 
 def checkpoint_bytes(run_dir: Path) -> int:
