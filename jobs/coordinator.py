@@ -124,8 +124,7 @@ class Coordinator:
                         self._deferred_checkpoint_of(self.cfg.iterations - 1)
                     break
                 except CheckpointLost as lost:
-                    # Redo that train, then what its new weights change (by fingerprint: its save, and
-                    # the next iteration's generate, score and gather).
+                    # From that train on: it, its save and the next iteration are redone.
                     self._forget_train(lost)
                     it = lost.iteration
             log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
@@ -144,16 +143,20 @@ class Coordinator:
         try:
             yield
         finally:
-            for step in [*(s for s, _, _ in [*self.early.values(), *self.background.values()]),
-                         *self.exiting.values()]:
-                step.cancel()
-            self.early.clear()
-            self.background.clear()
-            self.exiting.clear()
+            self._stop_started()
             self.engines.stop()
             signal.signal(signal.SIGTERM, previous)
             self.metrics.close()
             lock.release()
+
+    def _stop_started(self) -> None:
+        """Stop the steps started ahead of their turn, in the background, or still exiting."""
+        for step in [*(s for s, _, _ in [*self.early.values(), *self.background.values()]),
+                     *self.exiting.values()]:
+            step.cancel()
+        self.early.clear()
+        self.background.clear()
+        self.exiting.clear()
 
     def rerun(self, it: int, stage: str) -> None:
         """Clear one stage's markers and run it alone. Later stages whose inputs change as a result
@@ -295,21 +298,25 @@ class Coordinator:
         """Wait for the processes of finished stages still exiting; kill those past retry.exit_grace_s
         (a teardown that hangs holds nothing up). Before `stage` (None: all): a train still writing
         its checkpoint after its marker is joined only before the next train (_deferred_checkpoint_of)."""
-        grace = self.cfg.retry.exit_grace_s
         writing = self._writing()
         for (it, stage), step in sorted(self.exiting.items()):
             if (it, stage) in writing:
                 if before in (None, "train"):
                     self._join_writer(it)
                 continue
-            result = step.wait(grace)
-            if result.timed_out:
-                log.warning("iteration %d %s: rank(s) still running %.0fs after the stage was done were killed",
-                            it, stage, grace)
-            elif not result.ok:
-                log.warning("iteration %d %s: a rank exited with %s after writing its marker (its outputs are "
-                            "whole and stand)", it, stage, sorted(set(result.returncodes.values()) - {0}))
             del self.exiting[(it, stage)]
+            self._join_exit(it, stage, step)
+
+    def _join_exit(self, it: int, stage: str, step) -> None:
+        """Wait at most retry.exit_grace_s for a done stage's processes to exit, then kill them."""
+        grace = self.cfg.retry.exit_grace_s
+        result = step.wait(grace)
+        if result.timed_out:
+            log.warning("iteration %d %s: rank(s) still running %.0fs after the stage was done were killed",
+                        it, stage, grace)
+        elif not result.ok:
+            log.warning("iteration %d %s: a rank exited with %s after writing its marker (its outputs are "
+                        "whole and stand)", it, stage, sorted(set(result.returncodes.values()) - {0}))
 
     def _writing(self) -> set[tuple[int, str]]:
         """The train steps still running that write their checkpoint after their marker."""
@@ -317,15 +324,20 @@ class Coordinator:
                 local_checkpoints.deferred(self.paths, it)}
 
     def _join_writer(self, it: int) -> None:
-        """Wait (at most retry.stage_timeout_s) for train of iteration `it` to finish writing its
-        checkpoint; a failed writer is remembered for _deferred_checkpoint_of."""
+        """Wait for train of iteration `it` to publish the checkpoint it writes after its marker (as
+        long as an attempt may run: retry.stage_timeout_s, and train's own no-progress watchdog),
+        then for its processes to exit (retry.exit_grace_s). A writer that ended without publishing
+        is remembered for _deferred_checkpoint_of."""
         step = self.exiting.pop((it, "train"))
         t0 = time.time()
-        result = step.wait(self.cfg.retry.stage_timeout_s)
-        if result.ok:
-            log.info("iteration %d train  checkpoint written (waited %.1fs for it)", it, time.time() - t0)
-        else:
+        written = lambda: local_checkpoints.deferred_problem(self.paths, it) is None  # noqa: E731
+        result = step.wait(self.cfg.retry.stage_timeout_s, done=written)
+        if not written():
             self.lost_writers[it] = result
+            return
+        log.info("iteration %d train  checkpoint written (waited %.1fs for it)", it, time.time() - t0)
+        if result.lingering:
+            self._join_exit(it, "train", step)
 
     def _deferred_checkpoint_of(self, it: int) -> None:
         """Before the next train (and at the run's end): the checkpoint train of iteration `it` wrote
@@ -357,11 +369,7 @@ class Coordinator:
         retry.attempts attempts. What was started ahead of it is stopped: it read or waited on that train."""
         log.warning("%s", lost)
         self.redone[lost.iteration] = self.redone.get(lost.iteration, 0) + 1
-        for step in [*(s for s, _, _ in [*self.early.values(), *self.background.values()]), *self.exiting.values()]:
-            step.cancel()
-        self.early.clear()
-        self.background.clear()
-        self.exiting.clear()
+        self._stop_started()
         # Its save exported the weights of the lost attempt, and the next iteration sampled from them: a
         # fingerprint would not always show it (an export above markers.HASH_LIMIT_BYTES is recorded by size).
         later = [(lost.iteration, "train"), (lost.iteration, "save")] + \

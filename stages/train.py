@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -122,13 +121,13 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
 
     With a deferred checkpoint (train.deferred_checkpoint) the marker comes once the checkpoint
     is in host memory and the policy's weights are written for save; the checkpoint reaches the
-    disk after it, beside the next stages (write_deferred)."""
+    disk after it, beside the next stages (deferred_checkpoint.write_deferred)."""
     t = ctx.cfg.train
     tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
     run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    writes = defer_writes(ctx, run.engine)
+    writes = deferred_checkpoint.defer_writes(ctx, run.engine, deepspeed_config(ctx))
     local = write_checkpoint(ctx, run.engine, publish=writes is None)
     run.watchdog.beat("finish")
     outputs, extra, checkpoint_id = [], {"prunable": [f"checkpoints/{tag}/"]}, None
@@ -141,7 +140,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         checkpoint_id = dist.agree(uuid.uuid4().hex)
         record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
         if ctx.rank == 0:
-            outputs = [write_policy(ctx, writes), record]
+            outputs = [deferred_checkpoint.write_policy(ctx, writes), record]
             markers.write_json_atomic(record, {"id": checkpoint_id})
         extra = {"deferred_checkpoint": {"id": checkpoint_id, "snapshot_s": writes.snapshot_s,
                                          "snapshot_gb": writes.held / 1e9},
@@ -177,45 +176,8 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         release_engine(run)
     ctx.write_marker(outputs, extra={**summary, **extra})
     if writes is not None:
-        write_deferred(ctx, writes, checkpoint_id, run.watchdog)
+        deferred_checkpoint.write_deferred(ctx, writes, checkpoint_id, run.watchdog)
     run.watchdog.stop()
-
-
-def defer_writes(ctx: StageContext, engine):
-    """The checkpoint engine that holds this iteration's checkpoint in host memory until after the
-    marker (installed in the DeepSpeed engine), or None when train writes it before the marker."""
-    why_not = deferred_checkpoint.why_not(ctx.cfg, deepspeed_config(ctx).get("zero_optimization", {}).get("stage", 0))
-    if why_not:
-        log.info("checkpoint written before the marker: %s", why_not)
-        return None
-    ranks_per_node = max(1, ctx.world_size // max(1, ctx.info.num_nodes))
-    budget = int(deferred_checkpoint.available_host_bytes() * deferred_checkpoint.HOST_MEMORY_SHARE / ranks_per_node)
-    writes = deferred_checkpoint.DeferredWrites(engine.checkpoint_engine, budget)
-    engine.checkpoint_engine = writes
-    return writes
-
-
-def write_policy(ctx: StageContext, writes) -> Path:
-    """Rank 0: the policy's weights (the model states' module, in the training dtype) as one
-    safetensors file under the train folder, for save to export before the checkpoint is on disk."""
-    from safetensors.torch import save_file
-
-    states = writes.find(local_checkpoints.MODEL_STATES)
-    if states is None:
-        raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
-                           f"set train.deferred_checkpoint=false")
-    weights, seen = {}, set()
-    for name, tensor in states["module"].items():
-        if tensor.data_ptr() in seen:
-            continue  # tied to a weight already written (save's export ties them again)
-        seen.add(tensor.data_ptr())
-        weights[name] = tensor.contiguous()
-    path = ctx.paths.train_policy(ctx.iteration)
-    tmp = path.with_name(f".{path.name}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(tmp))
-    os.replace(tmp, path)
-    return path
 
 
 def release_engine(run: TrainRun) -> None:
@@ -227,25 +189,6 @@ def release_engine(run: TrainRun) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved",
                  torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9)
-
-
-def write_deferred(ctx: StageContext, writes, checkpoint_id: str, watchdog) -> None:
-    """Write the held checkpoint into the staging folder, then publish it (rank 0, once every rank's
-    files are in) with a record naming this attempt: the next train resumes only from that."""
-    t0 = time.time()
-    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
-        write_s = writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
-    dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", ctx.cfg.train.timeout_s)
-    if ctx.rank == 0:
-        staging = ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration)
-        local_checkpoints.write_record(staging, checkpoint_id, ctx.iteration, dist.node_name(), ctx.paths.root)
-        markers.publish_dir(staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
-        # Retention (save.keep_checkpoints) counts this checkpoint only now that it is there.
-        pruned = markers.prune_iterations(ctx.paths, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints,
-                                          ctx.iteration)
-        if pruned:
-            log.info("pruned %s", ", ".join(pruned))
-    log.info("checkpoint written after the marker: %.1fs of writes, %.1fs in all", write_s, time.time() - t0)
 
 
 def checkpoint_folder(ctx: StageContext) -> tuple[Path, bool]:
