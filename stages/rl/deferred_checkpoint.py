@@ -26,23 +26,12 @@ import torch
 
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
+from stages.runtime.memory import available_host_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
 
 # Share of the node's available host memory the ranks of a node may hold in snapshots together.
 HOST_MEMORY_SHARE = 0.5
-
-
-def available_host_bytes() -> int:
-    """MemAvailable of /proc/meminfo (Linux); 0 where it cannot be read (nothing is deferred)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class DeferredWrites:

@@ -41,14 +41,25 @@ def memory_report() -> dict:
 def host_rss_peak_bytes() -> int:
     """This process's peak resident memory. VmHWM belongs to the address space, so it starts afresh at
     exec; getrusage's ru_maxrss would carry over the launching parent's peak."""
+    peak = _proc_kib("/proc/self/status", "VmHWM:")
+    return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_host_bytes() -> int:
+    """The node's MemAvailable (Linux); 0 where it cannot be read."""
+    return (_proc_kib("/proc/meminfo", "MemAvailable:") or 0) * 1024
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    """A "<field> <n> kB" line of a /proc file, in KiB (None if absent or unreadable)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(field):
+                    return int(line.split()[1])
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return None
 
 
 def release_cached_memory() -> None:
