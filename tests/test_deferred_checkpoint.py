@@ -137,9 +137,10 @@ def test_disk_full_during_the_write_after_the_marker(runs, small_disk, tmp_path)
                      proc.stderr), proc.stderr[-4000:]
     assert "run the same command again" in proc.stderr
     assert not (run_dir / "checkpoints" / "iter_00001").exists()
-    # Every stage's markers but train 1's (its failed attempts' rank markers) are kept as they are.
+    # Every marker is kept as it is but those of train 1 (its failed attempts' rank markers) and of
+    # what reads it (persist 1, when the loss was found after it ran).
     kept = {p: p.stat().st_mtime_ns for p in run_dir.glob("iter_0000[01]/markers/*.done")
-            if not p.parent.parent.name.endswith("1") or not p.name.startswith("train.")}
+            if not p.parent.parent.name.endswith("1") or not p.name.startswith(("train.", "save.", "persist."))}
     assert run_dir / "iter_00000" / "markers" / "save.done" in kept
     assert run_dir / "iter_00001" / "markers" / "gather.done" in kept
     assert not (run_dir / "iter_00001" / "markers" / "train.done").exists()
