@@ -74,9 +74,10 @@ class DeferredWrites:
             try:
                 self.inner.save(state, path)
             except BaseException as e:
-                # A full disk: what was cut short goes, so the space is there for the redo.
-                Path(path).unlink(missing_ok=True)
+                # Free space as the write failed (before its partial file goes, and before another
+                # rank's failed write frees its own); then what was cut short goes, for the redo.
                 free = shutil.disk_usage(Path(path).parent).free
+                Path(path).unlink(missing_ok=True)
                 size = state_bytes(state, host_too=True)
                 if isinstance(e, Exception) and free < size:
                     # torch.save's zip writer reports a full disk as "unexpected pos" (a RuntimeError).
