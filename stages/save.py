@@ -89,7 +89,8 @@ def preload(ctx) -> None:
 
 
 def read_weights(ctx: StageContext, tag: str) -> dict:
-    """The trained weights: consolidated from the ZeRO shards in the run dir, or, when train wrote
+    """The trained weights: the policy file train wrote before its marker when it writes its
+    checkpoint after it; else consolidated from the ZeRO shards in the run dir, or, when train wrote
     node-local checkpoints, the model states of this node's copy (else of the persisted one)."""
     policy = ctx.paths.train_policy(ctx.iteration)
     if local_checkpoints.deferred(ctx.paths, ctx.iteration) and policy.is_file():

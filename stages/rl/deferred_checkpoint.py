@@ -43,7 +43,6 @@ class DeferredWrites:
         self.budget = budget_bytes
         self.queued: list[tuple[str, object]] = []
         self.held = 0  # bytes of the queued snapshots
-        self.written_now: list[str] = []  # files over the budget, written at save()
         self.snapshot_s = 0.0
 
     def __getattr__(self, name):
@@ -55,7 +54,6 @@ class DeferredWrites:
             log.info("%s: %.2f GB does not fit the host-memory budget left (%.2f GB): written now", path, size / 1e9,
                      (self.budget - self.held) / 1e9)
             self.inner.save(state_dict, path)
-            self.written_now.append(path)
             return
         t0 = time.time()
         self.queued.append((path, to_host(state_dict)))
