@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import deferred_checkpoint, flops
+from stages.rl import deferred_checkpoint, flops, packing
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
@@ -91,6 +91,10 @@ def set_up(ctx: StageContext) -> TrainRun:
                             fused_norms=cfg.model.fused_rms_norm)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if t.remove_padding:
+            for m in (model, ref):
+                if m is not None:
+                    packing.use_packed_attention(m)
     with phases("deepspeed_initialize"):
         optimizer = None
         if "optimizer" not in ds_config:
@@ -368,7 +372,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     for step in steps:
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
-            batch = collate(micro, device)
+            batch = packing.pack(micro, device) if t.remove_padding else collate(micro, device)
             if step.normalizer is not None:
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)

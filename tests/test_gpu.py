@@ -100,3 +100,65 @@ def test_two_iterations_with_the_real_vllm_engine(tmp_path, persistent):
     else:
         # vLLM's start-up lines were read in both iterations.
         assert all(e["weights_s"] > 0 and e["engine_start_s"] > 0 for e in engines)
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
+    # train.remove_padding on CUDA runs torch's variable-length flash attention (CPU: one SDPA call
+    # per row, tests/test_packing.py): bf16, grouped-query attention, rows of many lengths.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl import packing
+    from stages.rl.batches import collate, sequence_logprobs
+    from stages.rl.loss import ppo_clip_loss
+    from stages.rl.tiny_model import llama_config
+    from tests.workers.step_gradients import train_rows
+
+    assert packing._varlen_attn() is not None, "this torch has no torch.nn.attention.varlen"
+    torch.manual_seed(0)
+    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
+    rows = train_rows(24, seed=5)
+    device = torch.device("cuda")
+
+    def run(batch):
+        model.zero_grad()
+        logp = sequence_logprobs(model, batch, 1.0)
+        loss, _ = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], 0.2)
+        loss.backward()
+        grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        return logp[batch["mask"].bool()], loss.item(), grad
+
+    padded = run(collate(rows, device))
+    packing.use_packed_attention(model)
+    packed = run(packing.pack(rows, device))
+    assert (packed[0] - padded[0]).abs().max() < 0.05  # bf16 logits, two attention kernels
+    assert abs(packed[1] - padded[1]) < 1e-2 * max(1.0, abs(padded[1]))
+    assert torch.nn.functional.cosine_similarity(packed[2], padded[2], dim=0) > 0.99
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_a_deferred_checkpoint_snapshot_copies_every_byte():
+    # train.deferred_checkpoint's copy to host memory goes through two page-locked buffers in chunks
+    # (CPU tensors are kept as they are, so only a GPU exercises it): tensors larger and smaller than a
+    # chunk, views, a tied pair, an empty and a 0-dim tensor, several dtypes.
+    import torch
+
+    from stages.rl import deferred_checkpoint as dc
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn((dc.STAGING_BYTES // 4) * 2 + 12345, device="cuda", generator=g)
+    weight = torch.randn(300, 70, device="cuda", generator=g).to(torch.bfloat16)
+    state = {"module": {"a": weight, "tied": weight, "t": weight.t(), "slice": big[5:1000]},
+             "optimizer": [{"flat": big, "step": torch.tensor(7, device="cuda"), "empty": torch.empty(0, device="cuda"),
+                            "mask": torch.rand(999, device="cuda", generator=g) > 0.5,
+                            "ints": torch.arange(77777, device="cuda", dtype=torch.int64)}],
+             "host": torch.ones(3), "meta": ("x", 1)}
+    host = dc.to_host(state)
+    flat = [(a, b) for a, b in zip(dc._tensors(state), dc._tensors(host))]
+    assert all(b.device.type == "cpu" and b.dtype == a.dtype and b.shape == a.shape and torch.equal(b, a.cpu())
+               for a, b in flat)
+    assert host["module"]["a"] is host["module"]["tied"] and host["host"] is state["host"]
+    assert host["meta"] == ("x", 1)

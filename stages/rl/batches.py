@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from stages.rl import packing
 from stages.rl.modeling import token_logprobs
 
 # SDPA backends for these passes: every backend but cuDNN's. cuDNN builds an execution plan for each
@@ -61,11 +62,17 @@ def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
 
     Rows are right-padded and attention is causal, so no real token can attend to padding: the
     attention mask would change only the padding's own outputs, which the loss masks out. Leaving it
-    out lets SDPA run its fused causal kernel instead of a masked one.
+    out lets SDPA run its fused causal kernel instead of a masked one. A packed batch (packing.pack:
+    one sequence, [1, T]) passes its row offsets instead; its log-probs are computed per position.
     """
-    with sdpa_kernel(PASS_BACKENDS):
-        logits = model(input_ids=batch["input_ids"]).logits
-    return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature)
+    ids = batch["input_ids"]
+    if "cu_seq_lens" not in batch:
+        with sdpa_kernel(PASS_BACKENDS):
+            logits = model(input_ids=ids).logits
+        return token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
+    logits = model(input_ids=ids, **packing.model_kwargs(batch)).logits
+    # [T - 1, 1, V]: token_logprobs works through its float32 pass a few rows at a time.
+    return token_logprobs(logits[0, :-1].unsqueeze(1), ids[0, 1:].unsqueeze(1), temperature).T
 
 
 @torch.no_grad()

@@ -5,8 +5,9 @@ shard) and hands it to its checkpoint engine's save(state, path). DeferredWrites
 engine: save() copies the state's tensors to host memory and queues the file; flush() writes the
 queue with the engine it replaced. Between the two, train writes the policy's weights for save,
 frees the GPU and writes its marker, so save and the next generate do not wait for the optimizer
-state to reach the disk. On 1 H200 (0.48B model, 6.66 GB) the copy to host memory took 4-5 s
-before the marker, and the write 2.2 s after it, where writing from the GPU had taken 6.6-8.1 s.
+state to reach the disk. On 1 H200 (0.48B model, 6.66 GB) the write took 2.2 s after the marker,
+where writing from the GPU had taken 6.6-8.1 s before it; the copy to host memory (copy_to_host)
+is what stays before the marker.
 
 A file whose state does not fit the host-memory budget is written at once instead, as without
 deferral: a snapshot must never push the node into swap or the OOM killer.
@@ -172,28 +173,77 @@ def state_bytes(obj, host_too: bool = False) -> int:
     return total
 
 
-def to_host(obj, memo: dict | None = None):
+def to_host(obj):
     """The state (dicts, lists, tuples, nested) with every accelerator tensor copied to host memory.
 
     Host tensors are kept as they are: train makes no step after the snapshot, so they no longer
     change. A tensor that appears twice (tied weights) is copied once and appears twice in the
     result, as torch.save keeps shared storage."""
-    memo = {} if memo is None else memo
+    memo = {}
+    for t in _tensors(obj):
+        if t.device.type != "cpu":
+            memo.setdefault(_view_key(t), t)
+    copies = dict(zip(memo, copy_to_host(list(memo.values()))))
+    return _rebuilt(obj, copies)
+
+
+def _rebuilt(obj, copies: dict):
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu":
-            return obj
-        key = _view_key(obj)
-        if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
-        return memo[key]
+        return obj if obj.device.type == "cpu" else copies[_view_key(obj)]
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the dict's type (OrderedDict, defaultdict's factory)
         for k, v in obj.items():
-            out[k] = to_host(v, memo)
+            out[k] = _rebuilt(v, copies)
         return out
     if type(obj) in (list, tuple):
-        return type(obj)(to_host(v, memo) for v in obj)
+        return type(obj)(_rebuilt(v, copies) for v in obj)
     return obj
+
+
+# Page-locked buffers the CUDA copies go through (two: one fills from the GPU while the other is
+# copied out). On 1 H200, 6.66 GB of checkpoint state took 5.6 s with tensor.to("cpu") into fresh
+# pageable memory, 0.75-1.0 s staged so (tests/benchmarks/snapshot_copy.py); page-locking the
+# whole snapshot instead cost 4.9 s of allocation.
+STAGING_BYTES = 64 << 20
+
+
+def copy_to_host(tensors: list) -> list:
+    """Host copies of `tensors` (accelerator tensors; views copied as contiguous tensors).
+
+    CUDA tensors go through two page-locked STAGING_BYTES buffers on a side stream, each chunk's
+    copy from the GPU overlapping the host copy of the one before, into host tensors first written
+    with zeros: the fill faults their pages in on every core (torch's parallel fill), where a copy
+    into fresh pageable memory faults them one by one. Other devices copy with tensor.to("cpu")."""
+    out = [torch.empty(t.shape, dtype=t.dtype).zero_() if t.is_cuda else t.detach().to("cpu", copy=True)
+           for t in tensors]
+    cuda = [(t.detach().contiguous(), o) for t, o in zip(tensors, out) if t.is_cuda and t.numel()]
+    if not cuda:
+        return out
+    buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    filled = [torch.cuda.Event(), torch.cuda.Event()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the state's last writes come first
+    pending = None  # (buffer, host bytes, length): copied into the buffer, not yet out of it
+    k = 0
+    for src, dst in cuda:
+        src_bytes, dst_bytes = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+        for start in range(0, src_bytes.numel(), STAGING_BYTES):
+            n = min(STAGING_BYTES, src_bytes.numel() - start)
+            # Buffer k was drained last round (pending is the other one): it may be refilled.
+            with torch.cuda.stream(stream):
+                buffers[k][:n].copy_(src_bytes[start:start + n], non_blocking=True)
+                filled[k].record(stream)
+            if pending is not None:
+                _drain(buffers, filled, pending)
+            pending, k = (k, dst_bytes[start:start + n], n), 1 - k
+    _drain(buffers, filled, pending)
+    return out
+
+
+def _drain(buffers, filled, pending) -> None:
+    j, dst, n = pending
+    filled[j].synchronize()
+    dst.copy_(buffers[j][:n])
 
 
 def _tensors(obj):

@@ -10,7 +10,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
                   normalizer: float | None = None):
     """Token-mean PPO-clip loss.
 
-    logp, old_logp, mask, ref_logp: [B, T]; advantages: [B] (one per sequence, shared by its tokens).
+    logp, old_logp, mask, ref_logp: [B, T]; advantages: [B] (one per sequence, shared by its tokens),
+    or [B, T] (per token: a packed batch's rows share one sequence).
     Per token: max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) with r = exp(logp - old_logp), plus
     kl_coef * KL estimated with k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0).
     Averaged over the unmasked tokens, or summed and divided by `normalizer` when given (a token
@@ -23,7 +24,9 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum()
     denom = n_tokens.clamp(min=1.0)
-    adv = advantages.to(logp.dtype).unsqueeze(-1)
+    adv = advantages.to(logp.dtype)
+    if adv.dim() < logp.dim():
+        adv = adv.unsqueeze(-1)
     ratio = torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)

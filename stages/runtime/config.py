@@ -196,6 +196,10 @@ class TrainConfig:
     # 32-row steps) it halved the padded positions but not the update time, which a micro-batch's
     # fixed cost dominates there (docs/benchmarks.md); steps of many more rows may differ (not measured).
     max_tokens_per_micro_batch: int = 0
+    # Each micro-batch's rows packed end to end into one sequence, attention within each row
+    # (stages/rl/packing.py), so the forward and backward run no padding: the same loss and gradient
+    # as right-padded rows, over the real tokens only.
+    remove_padding: bool = True
     epochs: int = 1
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # off by default, as in the original 70B runs

@@ -142,7 +142,8 @@ def generate_positions(run_dir: Path, it: int, cfg: dict, markers: list[dict]) -
 
 
 def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None:
-    """Positions the training forward/backward ran, right padding included (train's own batching)."""
+    """Positions the training forward/backward ran, right padding included (train's own batching;
+    with train.remove_padding, the rows' own lengths)."""
     try:
         from stages.train import optimizer_steps
     except ImportError:
@@ -157,8 +158,9 @@ def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None
         for step in optimizer_steps(rows, ctx):
             for micro in step.micro_batches:
                 real = [r for r in micro if r is not None]
-                if real:
-                    total += len(real) * max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real)
+                lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real]
+                if lengths:
+                    total += sum(lengths) if getattr(t, "remove_padding", False) else len(lengths) * max(lengths)
     return total
 
 
@@ -296,7 +298,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("\ntrain")
     print("  optimizer steps      ", col("train", "steps", "{:>9d}"))
     print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))
-    print("  positions (padded)   ", col("train", "positions", "{:>9d}"))
+    print("  positions run        ", col("train", "positions", "{:>9d}"))
     print("  imports s            ", col("train", "import_s", "{:>9.1f}"))
     print("  engine start-up s    ", col("train", "startup_s", "{:>9.1f}"))
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))

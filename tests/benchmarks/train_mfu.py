@@ -10,7 +10,10 @@ A variant is colon-separated: zN (ZeRO stage N, with configs/ds_zero3_multinode.
 configs/ds_zero2_gpu.json with its stage set to N below), mB (micro-batch per GPU), and optionally
 gc (gradient checkpointing),
 kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile), fused
-(torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm).
+(torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm), fadam (torch's single-kernel
+AdamW, `"fused": true` in the DeepSpeed optimizer's params, instead of its multi-tensor one).
+--split times each step's forward and backward apart from its optimizer step (a device sync
+between the two), so what the step itself costs is printed.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/benchmarks/train_mfu.py \\
         [--preset small-llama | --shape llama-8b] [--seq 1024] [--steps 10] [--variants z2:m8,z2:m16,z2:m32,z3:m16]
@@ -38,13 +41,14 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 
 
 def parse_variant(text: str) -> dict:
-    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "name": text}
+    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "fadam": False,
+         "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile", "fused"):
+        elif part in ("gc", "kl", "compile", "fused", "fadam"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -123,6 +127,8 @@ def main() -> int:
     parser.add_argument("--variants", default="z2:m8,z2:m16,z2:m32,z3:m16")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--split", action="store_true",
+                        help="time forward+backward and the optimizer step apart (a device sync between)")
     parser.add_argument("--profile", action="store_true",
                         help="trace each variant's timed steps (torch.profiler, on stderr); slows them")
     args = parser.parse_args()
@@ -151,6 +157,8 @@ def main() -> int:
         ds.update(train_micro_batch_size_per_gpu=v["micro"], gradient_accumulation_steps=1,
                   train_batch_size=v["micro"] * world, gradient_clipping=1.0)
         ds["optimizer"]["params"].update(lr=1e-6, weight_decay=0.0)
+        if v["fadam"]:
+            ds["optimizer"]["params"]["fused"] = True
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -177,10 +185,24 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         engine.train()
 
-        def run(steps, engine=engine, ref=ref):
+        split = {"backward_s": 0.0, "step_s": 0.0}
+
+        def sync():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def run(steps, engine=engine, ref=ref, timed=False):
             for batch in steps:
+                t = time.perf_counter()
                 micro_step(engine, ref, batch, train_cfg, 1.0)
+                if timed:
+                    sync()
+                    split["backward_s"] += time.perf_counter() - t
+                    t = time.perf_counter()
                 engine.step()
+                if timed:
+                    sync()
+                    split["step_s"] += time.perf_counter() - t
 
         t_first = time.perf_counter()
         run(batches[:1])  # the first step: compiles, where the variant compiles
@@ -198,7 +220,7 @@ def main() -> int:
             timed_batches = batches[args.warmup:]
             profiled(lambda: run(timed_batches), device)
         else:
-            run(batches[args.warmup:])
+            run(batches[args.warmup:], timed=args.split)
         if device.type == "cuda":
             torch.cuda.synchronize()
         tdist.barrier()
@@ -212,6 +234,8 @@ def main() -> int:
              "mfu": model_flops / (seconds * world * peak) if peak else None,
              "mfu_6n": six_n / (seconds * world * peak) if peak else None,
              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+        if args.split:
+            r.update({k: val / args.steps for k, val in split.items()})
         results.append(r)
         if rank == 0:
             mfu = f"MFU {r['mfu']:6.1%} (6N only {r['mfu_6n']:6.1%})" if peak else "MFU n/a (no GPU peak known)"
@@ -219,6 +243,9 @@ def main() -> int:
             print(f"{v['name']:<18} {r['seconds_per_step']:7.3f} s/step (first {first_s:.1f} s) "
                   f"{r['tokens_per_s']:10.0f} tok/s "
                   f"(all {world} ranks)  {mfu}{mem}", flush=True)
+            if args.split:
+                print(f"{'':<18} of which forward+backward {r['backward_s'] * 1e3:.1f} ms, optimizer step "
+                      f"{r['step_s'] * 1e3:.1f} ms", flush=True)
         del engine, model, ref, batches
         gc.collect()
         if device.type == "cuda":

@@ -3,7 +3,8 @@
 Run as `python -m tests.workers.step_gradients MODEL_DIR OUT_FILE key=value ...` with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Builds train's real DeepSpeed engine (stages.train's
 config and optimizer-step plan, gloo on CPU) over a fixed synthetic train set, runs the first
-optimizer step's micro-batches through stages.train.micro_step, and rank 0 saves every parameter's
+optimizer step's micro-batches (right-padded, or packed with train.remove_padding) through
+stages.train.micro_step, and rank 0 saves every parameter's
 full fp32 gradient (deepspeed.utils.safe_get_full_grad) as it stands at the step's boundary.
 """
 
@@ -38,6 +39,7 @@ def main() -> int:
     from stages.runtime.config import load_config
     from stages.rl.modeling import load_policy
     from stages.train import deepspeed_config, micro_step, optimizer_steps
+    from stages.rl import packing
     from stages.rl.batches import collate
 
     torch.manual_seed(0)
@@ -47,13 +49,16 @@ def main() -> int:
     cfg = load_config("configs/local_tiny.yaml", [f"model.path={model_dir}", *overrides])
     ctx = SimpleNamespace(cfg=cfg, iteration=0, rank=rank, world_size=world)
     model = load_policy(model_dir, "float32")
+    if cfg.train.remove_padding:
+        packing.use_packed_attention(model)
+    batch_of = packing.pack if cfg.train.remove_padding else collate
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(ctx))
     step = optimizer_steps(train_rows(), ctx)[0]
     for i, micro in enumerate(step.micro_batches):
         if step.normalizer is not None:
             engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
-        micro_step(engine, None, collate(micro, torch.device("cpu")), cfg.train, 1.0, step.normalizer)
+        micro_step(engine, None, batch_of(micro, torch.device("cpu")), cfg.train, 1.0, step.normalizer)
         if i < len(step.micro_batches) - 1:
             engine.step()  # not a boundary: accumulates only
     grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}

@@ -1,0 +1,117 @@
+"""A micro-batch's rows packed end to end into one sequence, without padding (train.remove_padding).
+
+Right-padded micro-batches run every row to the longest row's width: on the reference workload (1
+H200, 2,048 rows of 4-token prompts and completions of up to 512) train ran 1.01M positions for
+297k real tokens. Packed, the forward and backward run only the real tokens. Each row keeps its
+own positions (0, 1, ... for the rotary embedding) and attends only within itself: the attention
+is variable-length (cumulative row offsets), torch's flash-attention kernel on CUDA
+(torch.nn.attention.varlen) and one causal SDPA call per row elsewhere.
+
+The log-probs, the loss mask and the loss are those of the padded batch, token for token: a row's
+last position would predict the next row's first token, and that position is outside the loss
+mask as padding is (tests/test_packing.py checks the gradients are the same).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+# The name under which the packed attention is registered with transformers.
+ATTENTION = "syncrl_packed"
+
+
+def pack(micro: list[dict | None], device) -> dict:
+    """The rows of `micro` (None: a padding row, skipped) as one sequence, with the same fields as
+    batches.collate over [1, T] (T the rows' summed lengths), the per-token advantages, and the row
+    offsets the attention needs (cu_seq_lens, max_length)."""
+    real = [r for r in micro if r is not None]
+    seqs = [r["prompt_ids"] + r["completion_ids"] for r in real] or [[0, 0]]  # an empty batch: one masked row
+    total = sum(len(s) for s in seqs)
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long).unsqueeze(0)
+    positions = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
+    offsets = [0]
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s))
+    mask, old, adv = torch.zeros(1, total - 1), torch.zeros(1, total - 1), torch.zeros(1, total - 1)
+    for r, o in zip(real, offsets):
+        p, c = len(r["prompt_ids"]), len(r["completion_ids"])
+        # As in collate: shifted position o + j predicts token o + j + 1, so completion tokens are
+        # predicted at o + p - 1 .. o + p + c - 2; o + p + c - 1 would predict the next row's first.
+        span = slice(o + p - 1, o + p - 1 + c)
+        mask[0, span] = 1
+        if "logprobs" in r:
+            old[0, span] = torch.tensor(r["logprobs"])
+        adv[0, span] = r.get("advantage", 0.0)
+    out = {k: v.to(device) for k, v in dict(input_ids=ids, position_ids=positions, mask=mask, old_logp=old,
+                                             advantages=adv).items()}
+    out["cu_seq_lens"] = torch.tensor(offsets, dtype=torch.int32, device=device)
+    out["max_length"] = max(len(s) for s in seqs)
+    out["lengths"] = [len(s) for s in seqs] if real else []
+    out["tokens"] = sum(len(r["completion_ids"]) for r in real)
+    return out
+
+
+def model_kwargs(batch: dict) -> dict:
+    """What the model's forward takes besides input_ids for a packed batch (transformers passes the
+    cu_seq_lens / max_length keywords down to the attention function)."""
+    cu, m = batch["cu_seq_lens"], batch["max_length"]
+    return dict(position_ids=batch["position_ids"], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m,
+                max_length_k=m, use_cache=False)
+
+
+def use_packed_attention(model) -> None:
+    """Make `model` (an HF model) run its attention through packed_attention: variable-length for
+    packed batches, SDPA for padded ones."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    model.set_attn_implementation(ATTENTION)
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers' attention-function contract: query [1, H, T, D], key/value [1, Hkv, T, D]; returns
+    ([1, T, H, D], None). Without row offsets (a padded batch) it is transformers' SDPA attention."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed batch is one sequence; got {query.shape[0]}")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    varlen = _varlen_attn() if query.is_cuda else None
+    if varlen is not None:
+        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D]
+        return varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scale).unsqueeze(0), None
+    bounds = cu_seq_lens_q.tolist()
+    rows = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                             is_causal=True, scale=scale)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(rows, dim=2).transpose(1, 2), None
+
+
+@functools.cache
+def _varlen_attn():
+    """torch's variable-length flash attention as f(q, k, v, cu, max_len, scale) -> [T, H, D], causal
+    (its keywords differ between torch releases), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+    def call(q, k, v, cu, max_len, scale):
+        if "scale" in params:
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
+        # This release scales by 1/sqrt(D) only: fold any other scale into the queries.
+        return varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu, cu, max_len, max_len, **causal)
+
+    return call

@@ -1,0 +1,91 @@
+"""train.remove_padding: a micro-batch's rows packed into one sequence (stages/rl/packing.py).
+
+Packed rows must give what right-padded rows give: the same log-probs at every loss position, and
+the same loss and gradient, in the model alone (a real transformers Llama built from a config, with
+grouped-query attention) and in train's real DeepSpeed step (ZeRO-2, gloo on CPU; with token-budget
+groups on 2 ranks too). On CPU the packed attention runs one causal SDPA call per row; the GPU test
+(tests/test_gpu.py) runs torch's variable-length kernel.
+"""
+
+import pytest
+import torch
+
+from stages.rl import packing
+from stages.rl.batches import collate, sequence_logprobs
+from stages.rl.loss import ppo_clip_loss
+from tests.test_train_batching import model_dir, step_gradients  # noqa: F401 (model_dir is a fixture)
+from tests.workers.step_gradients import train_rows
+
+
+def test_rows_are_laid_end_to_end_with_their_own_positions_and_loss_spans():
+    rows = [{"prompt_ids": [5, 6], "completion_ids": [7, 8, 9], "logprobs": [-1.0, -2.0, -3.0], "advantage": 0.5},
+            None,
+            {"prompt_ids": [10], "completion_ids": [11], "logprobs": [-4.0], "advantage": -1.0}]
+    b = packing.pack(rows, torch.device("cpu"))
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert b["cu_seq_lens"].tolist() == [0, 5, 7] and b["max_length"] == 5
+    # Shifted position j predicts token j + 1: 7, 8, 9 at 1..3, 11 at 5; position 4 (token 9) would
+    # predict the next row's first token and is masked, as padding is.
+    assert b["mask"].tolist() == [[0, 1, 1, 1, 0, 1]]
+    assert b["old_logp"].tolist() == [[0, -1, -2, -3, 0, -4]]
+    assert b["advantages"].tolist() == [[0, 0.5, 0.5, 0.5, 0, -1]]
+    assert b["tokens"] == 4 and b["lengths"] == [5, 2]
+    empty = packing.pack([None, None], torch.device("cpu"))
+    assert empty["mask"].sum() == 0 and empty["tokens"] == 0 and empty["lengths"] == []
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl.tiny_model import llama_config
+
+    torch.manual_seed(0)
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.float32)
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad()
+    logp = sequence_logprobs(model, batch, 1.0)
+    loss, _ = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], 0.2)
+    loss.backward()
+    return logp, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_packed_rows_give_the_padded_rows_log_probs_loss_and_gradient(gqa_model):
+    rows = train_rows(9, seed=4)
+    padded_logp, padded_loss, padded_grads = loss_and_grads(gqa_model, collate(rows, torch.device("cpu")))
+    packing.use_packed_attention(gqa_model)
+    packed = packing.pack(rows, torch.device("cpu"))
+    packed_logp, packed_loss, packed_grads = loss_and_grads(gqa_model, packed)
+    pad_mask = collate(rows, torch.device("cpu"))["mask"].bool()
+    assert torch.allclose(packed_logp[packed["mask"].bool()], padded_logp[pad_mask], atol=1e-5)
+    assert torch.allclose(packed_loss, padded_loss, atol=1e-6)
+    for name, g in padded_grads.items():
+        assert torch.allclose(packed_grads[name], g, rtol=1e-4, atol=1e-6), name
+    # The packed attention keeps each row to itself: a row packed after another is unchanged.
+    alone = packing.pack(rows[-1:], torch.device("cpu"))
+    with torch.no_grad():
+        last = sequence_logprobs(gqa_model, alone, 1.0)[alone["mask"].bool()]
+    assert torch.allclose(packed_logp[packed["mask"].bool()][-len(last):], last, atol=1e-5)
+    # A padded batch still runs through it (SDPA) as before.
+    again, _, _ = loss_and_grads(gqa_model, collate(rows, torch.device("cpu")))
+    assert torch.allclose(again[pad_mask], padded_logp[pad_mask], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_packed_step_gradient_equals_the_padded_one_in_deepspeed(tmp_path, model_dir):  # noqa: F811
+    ds = ["train.deepspeed_config=configs/ds_zero2_cpu.json"]
+    padded = step_gradients(tmp_path, model_dir, 1, ds + ["train.micro_batch_size=12"], "padded")
+    packed = step_gradients(tmp_path, model_dir, 1, ds + ["train.micro_batch_size=12", "train.remove_padding=true"],
+                            "packed")
+    # Packed and grouped by a token budget, on 2 ranks: still the step's token mean.
+    grouped = step_gradients(tmp_path, model_dir, 2, ds + ["train.micro_batch_size=6", "train.remove_padding=true",
+                                                          "train.max_tokens_per_micro_batch=60"], "grouped")
+    assert len(grouped["micro_batches"]) >= 2
+    for other in (packed, grouped):
+        for name, g in padded["grads"].items():
+            assert torch.allclose(other["grads"][name], g, rtol=1e-4, atol=1e-7), name
