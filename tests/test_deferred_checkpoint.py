@@ -50,14 +50,13 @@ def attempts(run_dir: Path, it: int, stage: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The same 2-iteration run twice: the checkpoint written after train's marker, and before it."""
-    base = tmp_path_factory.mktemp("deferred")
-    deferred, before = base / "deferred", base / "before"
-    for run_dir, extra in ((deferred, []), (before, ["train.deferred_checkpoint=false"])):
-        proc = syncrl_run(run_dir, *extra)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return deferred, before
+def runs(tmp_path_factory, tiny_run):
+    """The same 2-iteration run twice: the checkpoint written after train's marker (the default:
+    the session's tiny_run), and before it."""
+    before = tmp_path_factory.mktemp("deferred") / "before"
+    proc = syncrl_run(before, "train.deferred_checkpoint=false")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tiny_run.dir, before
 
 
 def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stages.runtime.paths import STAGES
+from tests.conftest import TINY_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +25,8 @@ def syncrl(*args, timeout=600):
                           timeout=timeout)
 
 
-def test_two_iterations_then_everything_skipped(tmp_path):
-    run = tmp_path / "run"
-    proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_two_iterations_then_everything_skipped(tiny_run):
+    run, proc = tiny_run.dir, tiny_run.proc
     for it in (0, 1):
         d = run / f"iter_{it:05d}"
         for stage in STAGES:
@@ -70,7 +69,7 @@ def test_two_iterations_then_everything_skipped(tmp_path):
     assert save["pruned"] == ["iter_00000/train/policy.safetensors"]
     assert (run / "iter_00001" / "train" / "policy.safetensors").is_file()
 
-    again = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL)
+    again = syncrl("run", TINY_RUN[0], f"run_dir={run}", *TINY_RUN[1:])
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("already done, skipping") == 2 * len(STAGES)
     assert "launching" not in again.stderr

@@ -10,8 +10,10 @@ A variant is colon-separated: zN (ZeRO stage N, with configs/ds_zero3_multinode.
 configs/ds_zero2_gpu.json with its stage set to N below), mB (micro-batch per GPU), and optionally
 gc (gradient checkpointing),
 kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile), fused
-(torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm), fadam (torch's single-kernel
-AdamW, `"fused": true` in the DeepSpeed optimizer's params, instead of its multi-tensor one).
+(torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm), foreach (torch's multi-tensor
+AdamW instead of the fused one that configs/ds_zero2_gpu.json asks for with `"fused": true`),
+packed (each micro-batch's rows as one sequence, train.remove_padding), serial and scattered
+(ZeRO's overlap_comm and contiguous_gradients off: fewer operations per parameter in the backward).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed.
 
@@ -41,14 +43,14 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 
 
 def parse_variant(text: str) -> dict:
-    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "fadam": False,
-         "name": text}
+    v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
+         "packed": False, "serial": False, "scattered": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile", "fused", "fadam"):
+        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -137,7 +139,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import flops
+    from stages.rl import flops, packing
     from stages.rl.modeling import load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -157,8 +159,12 @@ def main() -> int:
         ds.update(train_micro_batch_size_per_gpu=v["micro"], gradient_accumulation_steps=1,
                   train_batch_size=v["micro"] * world, gradient_clipping=1.0)
         ds["optimizer"]["params"].update(lr=1e-6, weight_decay=0.0)
-        if v["fadam"]:
-            ds["optimizer"]["params"]["fused"] = True
+        if v["foreach"]:
+            ds["optimizer"]["params"]["fused"] = False
+        if v["serial"]:
+            ds["zero_optimization"]["overlap_comm"] = False
+        if v["scattered"]:
+            ds["zero_optimization"]["contiguous_gradients"] = False
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -173,6 +179,10 @@ def main() -> int:
             model = load_policy(model_dir, dtype, fused_norms=fused)
         if v["gc"]:
             model.gradient_checkpointing_enable()
+        if v["packed"]:
+            for m in (model, ref):
+                if m is not None:
+                    packing.use_packed_attention(m)
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
         if v["compile"]:
             engine.compile()
@@ -180,7 +190,8 @@ def main() -> int:
         train_cfg = SimpleNamespace(clip_eps=0.2, kl_coef=0.05 if v["kl"] else 0.0)
         rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
                               v["micro"], args.vary)
-        batches = [collate(rows[i:i + v["micro"]], device) for i in range(0, len(rows), v["micro"])]
+        batch_of = packing.pack if v["packed"] else collate
+        batches = [batch_of(rows[i:i + v["micro"]], device) for i in range(0, len(rows), v["micro"])]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         engine.train()
