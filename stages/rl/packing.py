@@ -86,7 +86,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    varlen = _varlen_attn() if query.is_cuda else None
+    # The flash kernel takes half precision only; other dtypes take the per-row path.
+    varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
     if varlen is not None:
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D]
         return varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scale).unsqueeze(0), None

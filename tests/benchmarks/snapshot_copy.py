@@ -6,11 +6,12 @@ on the critical path. This builds tensors of the same sizes on the GPU (--gb in 
 --params bf16 weights, the rest as three flat fp32 partitions, as ZeRO-1/2 keeps them), then times
 each method into fresh host memory, freeing it between methods, and prints seconds and GB/s:
 
-  pageable   tensor.to("cpu"): what stages/rl/deferred_checkpoint.py's to_host does
+  pageable   tensor.to("cpu"): what stages/rl/deferred_checkpoint.py did until 2026-12-02
   touched    host tensors allocated and written first (torch's parallel fill, every core), then copy_
   pinned     page-locked host tensors (cudaHostAlloc), then copy_
-  staged     through two --chunk-mb page-locked buffers, each chunk's device copy overlapping the
-             host copy of the one before, into touched host tensors
+  staged     stages/rl/deferred_checkpoint.copy_to_host: through two --chunk-mb page-locked buffers,
+             each chunk's device copy overlapping the host copy of the one before, into touched host
+             tensors
   device     a copy on the GPU itself (what holding the state on the GPU until the write saves)
 
 Host allocations of torch honour THP_MEM_ALLOC_ENABLE=1 (transparent huge pages), read once per
@@ -27,6 +28,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def build(gb: float, params: int, device):
@@ -64,30 +68,10 @@ def pinned(tensors):
 
 
 def staged(tensors, chunk_bytes: int):
-    import torch
+    from stages.rl import deferred_checkpoint
 
-    out = [torch.empty(t.shape, dtype=t.dtype).fill_(0) for t in tensors]
-    buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    copied = [torch.cuda.Event() for _ in range(2)]
-    stream = torch.cuda.Stream()
-    pending = None  # (buffer index, destination bytes, length) copied to the buffer, not yet to its destination
-    k = 0
-    for o, t in zip(out, tensors):
-        src, dst = t.view(-1).view(torch.uint8), o.view(-1).view(torch.uint8)
-        for start in range(0, src.numel(), chunk_bytes):
-            n = min(chunk_bytes, src.numel() - start)
-            with torch.cuda.stream(stream):
-                buffers[k][:n].copy_(src[start:start + n], non_blocking=True)
-                copied[k].record(stream)
-            if pending is not None:
-                j, d, m = pending
-                copied[j].synchronize()
-                d.copy_(buffers[j][:m])
-            pending, k = (k, dst[start:start + n], n), 1 - k
-    j, d, m = pending
-    copied[j].synchronize()
-    d.copy_(buffers[j][:m])
-    return out
+    deferred_checkpoint.STAGING_BYTES = chunk_bytes
+    return deferred_checkpoint.copy_to_host(tensors)
 
 
 def device_copy(tensors):
