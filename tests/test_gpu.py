@@ -110,9 +110,9 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
     from transformers import AutoModelForCausalLM
 
     from stages.rl import packing
-    from stages.rl.batches import collate, sequence_logprobs
-    from stages.rl.loss import ppo_clip_loss
+    from stages.rl.batches import collate
     from stages.rl.tiny_model import llama_config
+    from tests.test_packing import loss_and_grads
     from tests.workers.step_gradients import train_rows
 
     assert packing._varlen_attn() is not None, "this torch has no torch.nn.attention.varlen"
@@ -124,12 +124,8 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
     device = torch.device("cuda")
 
     def run(batch):
-        model.zero_grad()
-        logp = sequence_logprobs(model, batch, 1.0)
-        loss, _ = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], 0.2)
-        loss.backward()
-        grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        return logp[batch["mask"].bool()], loss.item(), grad
+        logp, loss, grads = loss_and_grads(model, batch)
+        return logp[batch["mask"].bool()], loss.item(), torch.cat([g.float().flatten() for g in grads.values()])
 
     padded = run(collate(rows, device))
     packing.use_packed_attention(model)
