@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -27,7 +28,7 @@ import torch
 from stages.rl import deferred_checkpoint, flops, packing
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
-from stages.rl.modeling import device_for, load_policy, preload_model_code, set_cpu_threads
+from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
 from stages.runtime.config import deepspeed_derived
@@ -102,7 +103,7 @@ def set_up(ctx: StageContext) -> TrainRun:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                           model_parameters=None if optimizer else model.parameters())
         if t.compile != "eager":
-            ref = compile_models(engine, ref, t.compile)
+            ref = compile_models(engine, ref, t.compile, ds_config.get("zero_optimization", {}).get("stage", 0))
     with phases("resume_checkpoint"):
         watchdog.beat("resume optimizer state")
         resume_optimizer(ctx, engine)
@@ -160,12 +161,13 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         curve = ctx.paths.train_curve(ctx.iteration)
         write_jsonl_atomic(curve, history)
         outputs.append(curve)
+    first_micro_batch_s = totals.pop("first_micro_batch_s", 0.0)
     totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
     summary = {
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
         "model_flops": totals["flops"], "startup_s": run.startup_s, "startup_phases": run.phases.seconds,
-        "train_s": train_s, "checkpoint_s": save_s,
+        "train_s": train_s, "checkpoint_s": save_s, "first_micro_batch_s": first_micro_batch_s,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
         **_history_means(history),
@@ -260,15 +262,22 @@ def preload(ctx: StageContext) -> None:
     preload_model_code(ctx)
 
 
-def compile_models(engine, ref, backend: str):
-    """torch.compile the policy (through DeepSpeed) and the reference; returns the compiled reference."""
-    # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile per
-    # layer until dynamo gives up on the frame.
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True
-    engine.compile(backend=backend)
+def compile_models(engine, ref, backend: str, zero_stage: int):
+    """torch.compile the policy and the reference; returns the reference.
+
+    ZeRO 0-2: each decoder layer (compile_layers). ZeRO-3: the whole policy through DeepSpeed's
+    engine.compile, which its parameter-gathering hooks inside every layer need."""
+    if zero_stage == 3:
+        # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile
+        # per layer until dynamo gives up on the frame.
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        engine.compile(backend=backend)
+        what = "policy"
+    else:
+        what = f"{compile_layers(engine.module, backend)} policy layers"
     if ref is not None:
-        ref = torch.compile(ref, backend=backend)
-    log.info("policy%s compiled with torch.compile backend %s", " and reference" if ref is not None else "", backend)
+        what += f" and {compile_layers(ref, backend)} reference layers"
+    log.info("%s compiled with torch.compile backend %s", what, backend)
     return ref
 
 
@@ -369,6 +378,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     bar = Progress(sum(len(s.micro_batches) for s in steps), f"train iteration {ctx.iteration}: micro-batches",
                    ctx.rank)
     passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
+    first = time.time()
     for step in steps:
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
@@ -385,9 +395,38 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
             step_tokens += batch["tokens"]
             pending.append({"loss": loss.detach(), **metrics})
             bar.update(1)
+            if first is not None:
+                # The first micro-batch compiles (train.compile) or reads the compile cache: timed
+                # apart, once, with one device sync.
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                totals["first_micro_batch_s"], first = time.time() - first, None
         history.append(_step_record(engine, pending, step_tokens))
+        check_gradient(ctx, engine, history[-1])
     bar.close()
     return history, totals
+
+
+def check_gradient(ctx: StageContext, engine, record: dict) -> None:
+    """Stop at an optimizer step whose gradient norm is not finite, unless DeepSpeed skipped it.
+
+    configs/ds_zero2_gpu.json turns DeepSpeed's bf16 overflow check off (a per-parameter inf/NaN
+    pass and a device sync in every step: 35 of 54 ms of a step on 1 H200, docs/benchmarks.md); the
+    gradient norm it computes anyway shows the same thing. All ranks see the same all-reduced norm and
+    stop together; the marker and checkpoint are not written, so the previous iteration's stay as
+    they were."""
+    norm = record.get("grad_norm")
+    if norm is None or math.isfinite(norm):
+        return
+    if getattr(engine.optimizer, "overflow", False):
+        log.warning("optimizer step %d: gradient norm %s, step skipped by DeepSpeed's overflow check",
+                    record["step"], norm)
+        return
+    raise FloatingPointError(
+        f"rank {ctx.rank}: optimizer step {record['step']} of iteration {ctx.iteration} has a non-finite "
+        f"gradient norm ({norm}) and the weights took it; nothing of this train attempt is kept. Check the "
+        f"learning rate (train.lr={ctx.cfg.train.lr}) and the train set, or have DeepSpeed skip such steps: "
+        f'"bf16": {{"check_grad_overflow": true}} in {ctx.cfg.train.deepspeed_config}')
 
 
 def micro_step(engine, ref, batch: dict, t, temperature: float, normalizer: float | None = None):

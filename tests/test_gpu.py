@@ -136,6 +136,45 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_compiled_layers_take_packed_batches_of_any_length_without_recompiling():
+    # train.compile=inductor under ZeRO 0-2 (modeling.compile_layers): one graph per layer class,
+    # the length and row offsets symbolic. Micro-batches of other lengths and row counts reuse it,
+    # and give the eager model's loss and gradient (bf16: two sets of kernels).
+    import copy
+
+    import torch
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl import packing
+    from stages.rl.modeling import compile_layers
+    from stages.rl.tiny_model import llama_config
+    from tests.test_packing import loss_and_grads
+    from tests.workers.step_gradients import train_rows
+
+    torch.manual_seed(0)
+    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    eager = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        packing.use_packed_attention(m)
+    assert compile_layers(compiled, "inductor") == 3
+    device = torch.device("cuda")
+    torch._dynamo.reset()
+    for i, n in enumerate((24, 17, 30)):
+        batch = packing.pack(train_rows(n, seed=10 + i), device)
+        want = loss_and_grads(eager, batch)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = loss_and_grads(compiled, batch)
+        mask = batch["mask"].bool()
+        assert (got[0][mask] - want[0][mask]).abs().max() < 0.05
+        assert abs(got[1].item() - want[1].item()) < 1e-2 * max(1.0, abs(want[1].item()))
+        flat = [torch.cat([g.float().flatten() for g in r[2].values()]) for r in (got, want)]
+        assert torch.nn.functional.cosine_similarity(flat[0], flat[1], dim=0) > 0.99
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 def test_a_deferred_checkpoint_snapshot_copies_every_byte():
     # train.deferred_checkpoint's copy to host memory goes through two page-locked buffers in chunks
     # (CPU tensors are kept as they are, so only a GPU exercises it): tensors larger and smaller than a

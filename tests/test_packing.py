@@ -88,3 +88,41 @@ def test_packed_step_gradient_equals_the_padded_one_in_deepspeed(tmp_path, model
     assert len(grouped["micro_batches"]) >= 2
     for name, g in padded["grads"].items():
         assert torch.allclose(grouped["grads"][name], g, rtol=1e-4, atol=1e-7), name
+
+
+def test_compiled_layers_give_the_eager_loss_and_gradient():
+    # train.compile on ZeRO 0-2 compiles each decoder layer in place (modeling.compile_layers);
+    # "aot_eager" traces forward and backward as Inductor would, without building kernels on CPU.
+    import copy
+
+    from stages.rl.modeling import compile_layers
+
+    torch.manual_seed(1)
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl.tiny_model import llama_config
+
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    eager = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.float32)
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        packing.use_packed_attention(m)
+    assert compile_layers(compiled, "aot_eager") == 3
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    # Packed rows, the same padded, then packed rows of other lengths (the CPU's per-row attention
+    # breaks the graph at each row: a new row count traces again, so one more is enough).
+    for seed, n, make in ((2, 7, packing.pack), (2, 7, collate), (3, 5, packing.pack)):
+        batch = make(train_rows(n, seed=seed), torch.device("cpu"))
+        want_logp, want_loss, want_grads = loss_and_grads(eager, batch)
+        logp, loss, grads = loss_and_grads(compiled, batch)
+        assert torch.allclose(logp, want_logp, atol=1e-5) and torch.allclose(loss, want_loss, atol=1e-6)
+        for name, g in want_grads.items():
+            assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-6), name
+
+
+def test_compile_layers_names_a_model_without_repeated_blocks():
+    from stages.rl.modeling import compile_layers
+
+    with pytest.raises(ValueError, match="train.compile=eager"):
+        compile_layers(torch.nn.Linear(2, 2), "aot_eager")

@@ -93,6 +93,26 @@ def _fused_rms_norm_forward(self, hidden_states):
     return torch.nn.functional.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
 
+def compile_layers(model, backend: str) -> int:
+    """torch.compile each of `model`'s repeated blocks (the classes its _no_split_modules names: an HF
+    model's decoder layers) in place; returns how many.
+
+    One block's graph serves every layer (its weights are the graph's inputs), and its sequence
+    length and row offsets are symbolic (dynamic=True): a fresh train process traces one layer once,
+    where compiling the whole model traced all of them (9.5 s for the first step with Inductor's cache
+    warm, docs/benchmarks.md), and the packed micro-batches' lengths, new every time, do not recompile.
+    The module tree and the parameters stay as they are: DeepSpeed's gradient hooks and the
+    checkpoint's names do not see the compile."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no repeated block (_no_split_modules is {sorted(names)}): "
+                         "train.compile needs one; use train.compile=eager")
+    for block in blocks:
+        block.compile(backend=backend, dynamic=True)
+    return len(blocks)
+
+
 def preload_model_code(ctx) -> None:
     """Import transformers and the policy's architecture module (seconds of a stage's start-up) ahead
     of time; the base model's config names the architecture every later export shares."""

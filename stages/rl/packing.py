@@ -67,6 +67,7 @@ def use_packed_attention(model) -> None:
     packed batches, SDPA for padded ones."""
     from transformers import AttentionInterface
 
+    _VARLEN[0] = _varlen_attn()
     AttentionInterface.register(ATTENTION, packed_attention)
     model.set_attn_implementation(ATTENTION)
 
@@ -87,15 +88,22 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # The flash kernel takes half precision only; other dtypes take the per-row path.
-    varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
+    varlen = _VARLEN[0] if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
     if varlen is not None:
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D]
-        return varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scale).unsqueeze(0), None
+        # max_length_q stays as given: under train.compile it is symbolic, and int() would make each
+        # micro-batch's value a new graph.
+        return varlen(q, k, v, cu_seq_lens_q, max_length_q, scale).unsqueeze(0), None
     bounds = cu_seq_lens_q.tolist()
     rows = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                              is_causal=True, scale=scale)
             for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(rows, dim=2).transpose(1, 2), None
+
+
+# torch's variable-length kernel, looked up when a model is switched to packed attention: the lookup
+# (an import and a signature) stays outside what train.compile traces.
+_VARLEN: list = [None]
 
 
 @functools.cache
@@ -108,9 +116,10 @@ def _varlen_attn():
         return None
     params = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    takes_scale = "scale" in params
 
     def call(q, k, v, cu, max_len, scale):
-        if "scale" in params:
+        if takes_scale:
             return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
         # This release scales by 1/sqrt(D) only: fold any other scale into the queries.
         return varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu, cu, max_len, max_len, **causal)

@@ -228,6 +228,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             "train": {
                 "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
                 "startup_s": max(r["startup_s"] for r in train), "train_s": train_s,
+                "first_micro_batch_s": max(r.get("first_micro_batch_s", 0.0) for r in train),
                 "checkpoint_s": max(r["checkpoint_s"] for r in train),
                 "tokens_per_s": tokens / train_s,
                 "mfu": flops / (train_s * world * peak),
@@ -302,6 +303,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  imports s            ", col("train", "import_s", "{:>9.1f}"))
     print("  engine start-up s    ", col("train", "startup_s", "{:>9.1f}"))
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
+    print("  first micro-batch s  ", col("train", "first_micro_batch_s", "{:>9.1f}"),
+          "  (of the update; train.compile: the compile, or reading its cache)")
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
     if any(r["train"]["snapshot_s"] for r in per_it):
         print("  of which to host s   ", col("train", "snapshot_s", "{:>9.1f}"))

@@ -13,7 +13,10 @@ kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.com
 (torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm), foreach (torch's multi-tensor
 AdamW instead of the fused one that configs/ds_zero2_gpu.json asks for with `"fused": true`),
 packed (each micro-batch's rows as one sequence, train.remove_padding), serial and scattered
-(ZeRO's overlap_comm and contiguous_gradients off: fewer operations per parameter in the backward).
+(ZeRO's overlap_comm and contiguous_gradients off: fewer operations per parameter in the backward),
+layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
+0-2, stages/rl/modeling.compile_layers) and nocheck (bf16.check_grad_overflow off: no per-parameter
+inf/NaN pass in the optimizer step).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed.
 
@@ -44,13 +47,13 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
-         "packed": False, "serial": False, "scattered": False, "name": text}
+         "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered"):
+        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -140,7 +143,7 @@ def main() -> int:
     import torch.distributed as tdist
 
     from stages.rl import flops, packing
-    from stages.rl.modeling import load_policy
+    from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
     from stages.train import micro_step
@@ -165,6 +168,8 @@ def main() -> int:
             ds["zero_optimization"]["overlap_comm"] = False
         if v["scattered"]:
             ds["zero_optimization"]["contiguous_gradients"] = False
+        if v["nocheck"]:
+            ds.setdefault("bf16", {})["check_grad_overflow"] = False
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -186,6 +191,10 @@ def main() -> int:
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
         if v["compile"]:
             engine.compile()
+        if v["layers"]:
+            compile_layers(engine.module, "inductor")
+            if ref is not None:
+                compile_layers(ref, "inductor")
         shape = flops.model_shape(engine.module)
         train_cfg = SimpleNamespace(clip_eps=0.2, kl_coef=0.05 if v["kl"] else 0.0)
         rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
