@@ -43,20 +43,21 @@ def main(ctx: StageContext) -> None:
     # complete (train's marker says so): it runs beside the export instead of after it.
     with ThreadPoolExecutor(1, thread_name_prefix="prune") as pool:
         pruning = pool.submit(prune_checkpoints, ctx)
-        consolidate_s, export_s, target = export_and_publish(ctx, tag)
+        seconds, target = export_and_publish(ctx, tag)
         pruned = pruning.result()
     pruned += prune_models(ctx) + prune_policies(ctx)
     if pruned:
         log.info("pruned %s", ", ".join(pruned))
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
-    ctx.summarize("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s)", target, size / 1e6,
-                  consolidate_s, export_s, size / 1e9 / max(export_s, 1e-9))
-    ctx.write_marker([target], extra={"bytes": size, "consolidate_s": consolidate_s, "export_s": export_s,
-                                       "pruned": pruned, "prunable": [f"models/{target.name}/"]})
+    ctx.summarize("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s), verify %.1fs", target,
+                  size / 1e6, seconds["consolidate_s"], seconds["export_s"],
+                  size / 1e9 / max(seconds["export_s"], 1e-9), seconds["verify_s"])
+    ctx.write_marker([target], extra={"bytes": size, **seconds, "pruned": pruned,
+                                       "prunable": [f"models/{target.name}/"]})
 
 
-def export_and_publish(ctx: StageContext, tag: str) -> tuple[float, float, Path]:
-    """Consolidate, export, verify and publish models/iter_I; returns (consolidate s, export s, its path)."""
+def export_and_publish(ctx: StageContext, tag: str) -> tuple[dict, Path]:
+    """Consolidate, export, verify and publish models/iter_I; returns the seconds of each, and its path."""
     paths, it = ctx.paths, ctx.iteration
     t0 = time.time()
     with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
@@ -73,12 +74,13 @@ def export_and_publish(ctx: StageContext, tag: str) -> tuple[float, float, Path]
         export(ctx.policy_path(), weights, dtype, tmp, ctx)
         export_s = time.time() - t1
         verify(tmp, weights, dtype)
+        verify_s = time.time() - t1 - export_s
     except BaseException:
         # A full disk or a bad export leaves nothing half-written behind; what was published stays.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     markers.publish_dir(tmp, target)
-    return consolidate_s, export_s, target
+    return {"consolidate_s": consolidate_s, "export_s": export_s, "verify_s": verify_s}, target
 
 
 def preload(ctx) -> None:

@@ -162,12 +162,14 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         write_jsonl_atomic(curve, history)
         outputs.append(curve)
     first_micro_batch_s = totals.pop("first_micro_batch_s", 0.0)
+    host = totals.pop("host")
     totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
     summary = {
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
         "model_flops": totals["flops"], "startup_s": run.startup_s, "startup_phases": run.phases.seconds,
         "train_s": train_s, "checkpoint_s": save_s, "first_micro_batch_s": first_micro_batch_s,
+        "update_host_s": host,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
         **_history_means(history),
@@ -378,16 +380,26 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     bar = Progress(sum(len(s.micro_batches) for s in steps), f"train iteration {ctx.iteration}: micro-batches",
                    ctx.rank)
     passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
+    # Where the host's time goes (the GPU runs behind it): building and sending batches, forward and
+    # backward, the optimizer step, and each step's record, which waits for the GPU to catch up.
+    host = dict.fromkeys(("batches_s", "forward_backward_s", "optimizer_step_s", "step_records_s"), 0.0)
     first = time.time()
     for step in steps:
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
+            t0 = time.perf_counter()
             batch = packing.pack(micro, device) if t.remove_padding else collate(micro, device)
             if step.normalizer is not None:
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
+            t1 = time.perf_counter()
             loss, metrics = micro_step(engine, ref, batch, t, temperature, step.normalizer)
+            t2 = time.perf_counter()
             engine.step()
+            t3 = time.perf_counter()
+            host["batches_s"] += t1 - t0
+            host["forward_backward_s"] += t2 - t1
+            host["optimizer_step_s"] += t3 - t2
             watchdog.beat()
             totals["flops"] += passes * sum(flops.forward_flops(shape, n) for n in batch["lengths"])
             totals["positions"] += sum(batch["lengths"])
@@ -401,9 +413,12 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 totals["first_micro_batch_s"], first = time.time() - first, None
+        t0 = time.perf_counter()
         history.append(_step_record(engine, pending, step_tokens))
+        host["step_records_s"] += time.perf_counter() - t0
         check_gradient(ctx, engine, history[-1])
     bar.close()
+    totals["host"] = host
     return history, totals
 
 

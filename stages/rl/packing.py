@@ -30,28 +30,42 @@ def pack(micro: list[dict | None], device) -> dict:
     real = [r for r in micro if r is not None]
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in real] or [[0, 0]]  # an empty batch: one masked row
     total = sum(len(s) for s in seqs)
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long).unsqueeze(0)
-    positions = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
-    mask, old, adv = torch.zeros(1, total - 1), torch.zeros(1, total - 1), torch.zeros(1, total - 1)
+    # Built on the host as two tensors (token ids and positions; loss mask, old log-probs and
+    # advantages), each sent in one copy: a copy from ordinary host memory makes the host wait for
+    # the GPU to finish what is queued, which five copies per micro-batch did.
+    ints = torch.empty(2, total, dtype=torch.long)
+    ints[0] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    ints[1] = torch.cat([torch.arange(len(s)) for s in seqs])
+    floats = torch.zeros(3, total - 1)  # mask, old log-probs, advantages
     for r, o in zip(real, offsets):
         p, c = len(r["prompt_ids"]), len(r["completion_ids"])
         # As in collate: shifted position o + j predicts token o + j + 1, so completion tokens are
         # predicted at o + p - 1 .. o + p + c - 2; o + p + c - 1 would predict the next row's first.
         span = slice(o + p - 1, o + p - 1 + c)
-        mask[0, span] = 1
+        floats[0, span] = 1
         if "logprobs" in r:
-            old[0, span] = torch.tensor(r["logprobs"])
-        adv[0, span] = r.get("advantage", 0.0)
-    out = {k: v.to(device) for k, v in dict(input_ids=ids, position_ids=positions, mask=mask, old_logp=old,
-                                             advantages=adv).items()}
-    out["cu_seq_lens"] = torch.tensor(offsets, dtype=torch.int32, device=device)
+            floats[1, span] = torch.tensor(r["logprobs"])
+        floats[2, span] = r.get("advantage", 0.0)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    ints, floats, cu = (to_device(x, device) for x in (ints, floats, cu))
+    out = dict(input_ids=ints[0:1], position_ids=ints[1:2], mask=floats[0:1], old_logp=floats[1:2],
+               advantages=floats[2:3], cu_seq_lens=cu)
     out["max_length"] = max(len(s) for s in seqs)
     out["lengths"] = [len(s) for s in seqs] if real else []
     out["tokens"] = sum(len(r["completion_ids"]) for r in real)
     return out
+
+
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """`x` on `device`; to a GPU through page-locked memory without waiting (torch's host allocator
+    caches the page-locked blocks, and keeps each until its copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def model_kwargs(batch: dict) -> dict:

@@ -51,6 +51,10 @@ ENGINE_FIGURES = {"engine_start_s": "start-up, in all", "weights_s": "weights lo
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
 
 
+UPDATE_HOST = {"batches_s": "batches", "forward_backward_s": "forward+backward", "optimizer_step_s": "optimizer step",
+               "step_records_s": "step records"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=3)
@@ -229,6 +233,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
                 "startup_s": max(r["startup_s"] for r in train), "train_s": train_s,
                 "first_micro_batch_s": max(r.get("first_micro_batch_s", 0.0) for r in train),
+                # rank 0's: where its host time in the update went (the GPU runs behind it)
+                **{f"host_{k}": tr.get("update_host_s", {}).get(k) for k in UPDATE_HOST},
                 "checkpoint_s": max(r["checkpoint_s"] for r in train),
                 "tokens_per_s": tokens / train_s,
                 "mfu": flops / (train_s * world * peak),
@@ -248,7 +254,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
                              for k in train[0].get("startup_phases", {})},
             "compute_s": gen_s + train_s,
-            "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
+            "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")} | {"verify_s": m["save"].get("verify_s")}
                     | {"export_gb_per_s": m["save"]["bytes"] / 1e9 / m["save"]["export_s"]},
             "reward_mean": stats.get("reward_mean"),
         })
@@ -305,6 +311,10 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
     print("  first micro-batch s  ", col("train", "first_micro_batch_s", "{:>9.1f}"),
           "  (of the update; train.compile: the compile, or reading its cache)")
+    if all(r["train"]["host_forward_backward_s"] is not None for r in per_it):
+        print("  the update's host time, rank 0 (s; the GPU runs behind the host, a step's record waits for it):")
+        for k, label in UPDATE_HOST.items():
+            print(f"    {label:<19}", col("train", f"host_{k}", "{:>9.1f}"))
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
     if any(r["train"]["snapshot_s"] for r in per_it):
         print("  of which to host s   ", col("train", "snapshot_s", "{:>9.1f}"))
@@ -331,6 +341,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("\nsave")
     print("  consolidate s        ", col("save", "consolidate_s", "{:>9.1f}"))
     print("  export s             ", col("save", "export_s", "{:>9.1f}"))
+    print("  verify s             ", col("save", "verify_s", "{:>9.1f}"))
     print("  exported GB          ", "  ".join(f"{r['save']['bytes'] / 1e9:>9.2f}" for r in per_it))
     print("  export GB/s          ", col("save", "export_gb_per_s", "{:>9.2f}"))
     print("\nreward mean          ", "  ".join(f"{r['reward_mean']:>9.3f}" for r in per_it))
