@@ -63,6 +63,7 @@ class TrainRun:
 def set_up(ctx: StageContext) -> TrainRun:
     """Process group, models, DeepSpeed engine and resumed state, each start-up phase timed."""
     cfg, t = ctx.cfg, ctx.cfg.train
+    deferred_checkpoint.POOL.turn_came()
     phases = Phases(ctx.start)
     with phases("import_deepspeed"):
         import deepspeed
@@ -134,6 +135,9 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     release_cached_memory()
     writes = deferred_checkpoint.defer_writes(ctx, run.engine, deepspeed_config(ctx))
     local = write_checkpoint(ctx, run.engine, publish=writes is None)
+    deferred_checkpoint.POOL.release()
+    if writes is not None:
+        deferred_checkpoint.write_layout(ctx, writes)
     run.watchdog.beat("finish")
     outputs, extra, checkpoint_id = [], {"prunable": [f"checkpoints/{tag}/"]}, None
     if ctx.rank == 0 and not local:
@@ -147,8 +151,10 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         if ctx.rank == 0:
             outputs = [deferred_checkpoint.write_policy(ctx, writes), record]
             markers.write_json_atomic(record, {"id": checkpoint_id})
+        pool = deferred_checkpoint.POOL
         extra = {"deferred_checkpoint": {"id": checkpoint_id, "snapshot_s": writes.snapshot_s,
-                                         "snapshot_gb": writes.held / 1e9},
+                                         "snapshot_gb": writes.held / 1e9, "prepared_gb": pool.prepared_bytes / 1e9,
+                                         "prepared_taken_gb": pool.taken_bytes / 1e9},
                  "prunable": [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]}
     if local:
         record = ctx.paths.local_checkpoint_record(ctx.iteration)
@@ -262,6 +268,7 @@ def preload(ctx: StageContext) -> None:
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
     preload_model_code(ctx)
+    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx).get("zero_optimization", {}).get("stage", 0))
 
 
 def compile_models(engine, ref, backend: str, zero_stage: int):

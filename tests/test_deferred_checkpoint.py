@@ -70,6 +70,11 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
         assert f"reading the weights from {deferred}/iter_{it:05d}/train/policy.safetensors" in save_log
         train_log = (deferred / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00001.log").read_text()
         assert "checkpoint written after the marker" in train_log
+        # Each rank's snapshot layout, for the next train's host memory (empty on CPU: host tensors
+        # are kept, not copied).
+        for rank in (0, 1):
+            assert json.loads((deferred / f"iter_{it:05d}" / "train" / f"snapshot_layout.rank_{rank:05d}.json")
+                              .read_text()) == []
     # The checkpoint in place is the last train's, whole (its record names the attempt), and resumable.
     record = json.loads((deferred / "checkpoints" / "iter_00001" / "syncrl-checkpoint.json").read_text())
     assert record["id"] == train["deferred_checkpoint"]["id"]
@@ -153,3 +158,32 @@ def test_disk_full_during_the_write_after_the_marker(runs, small_disk, tmp_path)
     same_weights(run_dir, deferred)
     no_half_files(run_dir)
     report("disk full while train writes its checkpoint after its marker", detect, recover)
+
+
+def test_host_memory_is_prepared_by_the_previous_snapshots_layout(tmp_path):
+    # deferred_checkpoint.HostPool: what a train process started early faults in before its turn.
+    from stages.rl.deferred_checkpoint import HostPool
+
+    layout = tmp_path / "snapshot_layout.rank_00000.json"
+    pool = HostPool()
+    pool.prepare(layout, budget_bytes=1 << 20)
+    time.sleep(0.3)  # the previous train writes its layout while this one waits
+    layout.write_text(json.dumps([["bfloat16", [3, 4]], ["float32", [5]], ["float32", [5]], ["float32", [0]]]))
+    first = pool.take((3, 4), torch.bfloat16)
+    assert first.shape == (3, 4) and first.dtype == torch.bfloat16 and not first.any()
+    assert pool.take((5,), torch.float32) is not None and pool.take((5,), torch.float32) is not None
+    assert pool.take((5,), torch.float32) is None  # two were listed
+    assert pool.take((0,), torch.float32).numel() == 0
+    assert pool.take((2, 2), torch.float32) is None  # not in the layout: the caller allocates
+    assert pool.prepared_bytes == pool.taken_bytes == 3 * 4 * 2 + 2 * 5 * 4
+    pool.release()
+    # Over the budget: nothing prepared.
+    small = HostPool()
+    small.prepare(layout, budget_bytes=16)
+    assert small.take((3, 4), torch.bfloat16) is None and small.prepared_bytes == 0
+    # No layout by the stage's turn (the previous train wrote none): the thread gives up at once.
+    none = HostPool()
+    none.prepare(tmp_path / "absent.json", budget_bytes=1 << 20)
+    none.turn_came()
+    t0 = time.time()
+    assert none.take((3, 4), torch.bfloat16) is None and time.time() - t0 < 1.0

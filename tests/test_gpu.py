@@ -197,3 +197,28 @@ def test_a_deferred_checkpoint_snapshot_copies_every_byte():
                for a, b in flat)
     assert host["module"]["a"] is host["module"]["tied"] and host["host"] is state["host"]
     assert host["meta"] == ("x", 1)
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_a_snapshot_fills_the_host_memory_prepared_by_its_layout(tmp_path):
+    # The next train prepares host memory by the layout a snapshot records (deferred_checkpoint.HostPool):
+    # a second snapshot of the same state copies into the prepared tensors, every byte.
+    import torch
+
+    from stages.rl import deferred_checkpoint as dc
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = {"w": torch.randn(dc.STAGING_BYTES // 2 + 7, device="cuda", generator=g).to(torch.bfloat16),
+             "m": torch.randn(1000, 33, device="cuda", generator=g), "step": torch.tensor(3, device="cuda")}
+    layout = []
+    dc.to_host(state, layout)
+    (tmp_path / "layout.json").write_text(__import__("json").dumps(layout))
+    pool = dc.HostPool()
+    pool.prepare(tmp_path / "layout.json", budget_bytes=1 << 30)
+    saved, dc.POOL = dc.POOL, pool
+    try:
+        host = dc.to_host(state)
+    finally:
+        dc.POOL = saved
+    assert pool.prepared_bytes == pool.taken_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert all(torch.equal(host[k], v.cpu()) for k, v in state.items())
