@@ -1,6 +1,6 @@
 """The CLI's edges on a finished run dir: out-of-range arguments are refused up front with exit 2 and
-one line naming what exists; folders a user left in the run dir are ignored. One real local run
-(tiny model, 2 ranks) serves every case."""
+one line naming what exists; folders a user left in the run dir are ignored. The session's tiny
+run (tests/conftest.py: tiny model, 2 ranks, 2 iterations) serves every case."""
 
 import os
 import shutil
@@ -18,11 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    run = tmp_path_factory.mktemp("edges") / "run"
-    proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1", *SMALL, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+def run_dir(tiny_run):
+    """The session's finished 2-iteration run (tests/conftest.py): these cases read it, or a copy."""
+    return tiny_run.dir
 
 
 def refused(proc, *needles):
@@ -36,7 +34,7 @@ def refused(proc, *needles):
 def test_rerun_of_an_iteration_the_run_does_not_have_is_refused(run_dir, iteration):
     before = sorted(p.name for p in run_dir.iterdir())
     refused(syncrl("rerun", str(run_dir), "--iteration", iteration, "--stage", "score"),
-            f"--iteration {iteration}", "iterations 0-0")
+            f"--iteration {iteration}", "iterations 0-1")
     assert sorted(p.name for p in run_dir.iterdir()) == before  # no iter_-0001/, no attempt launched
     assert not (run_dir / "logs" / "iter_00000" / "score" / "attempt_2").exists()
 
@@ -58,7 +56,7 @@ def test_folders_that_are_not_syncrls_are_ignored(run_dir, tmp_path):
     (copy / "logs" / "iter_00000" / "train" / "attempt_1.keep").mkdir()
     status = syncrl("status", str(copy))
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
-    assert "6/6 stages done" in status.stdout
+    assert "12/12 stages done" in status.stdout  # the .bak and .old folders are not iterations
     tail = syncrl("tail", str(copy))
     assert tail.returncode == 0 and "Traceback" not in tail.stderr, tail.stderr
     report = syncrl("report", str(copy), "--out", str(tmp_path / "report"))
