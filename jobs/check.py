@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jobs.launchers import group_problem, launcher_kind
 from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
-                                  to_dict)
+                                  to_dict, zero_stage)
 from stages.runtime.data import read_jsonl_problems
 from stages.runtime.dist import allocation
 from stages.runtime.paths import RunPaths
@@ -212,7 +212,7 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
     if not isinstance(ds, dict):
         return [f"{key} {path}: the top level must be a JSON object"]
     problems = []
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     if stage not in (1, 2, 3):
         problems.append(f"{key} {path}: zero_optimization.stage is {stage}; syncrl's save stage consolidates "
                         "ZeRO shards, so use stage 1, 2 or 3")

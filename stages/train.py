@@ -31,7 +31,7 @@ from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
-from stages.runtime.config import deepspeed_derived
+from stages.runtime.config import deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.memory import release_cached_memory
@@ -104,7 +104,7 @@ def set_up(ctx: StageContext) -> TrainRun:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                           model_parameters=None if optimizer else model.parameters())
         if t.compile != "eager":
-            ref = compile_models(engine, ref, t.compile, ds_config.get("zero_optimization", {}).get("stage", 0))
+            ref = compile_models(engine, ref, t.compile, zero_stage(ds_config))
     with phases("resume_checkpoint"):
         watchdog.beat("resume optimizer state")
         resume_optimizer(ctx, engine)
@@ -118,7 +118,7 @@ def set_up(ctx: StageContext) -> TrainRun:
     watchdog.beat("train")
     startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
-             startup_s, ds_config.get("zero_optimization", {}).get("stage", 0), ctx.world_size, len(rows))
+             startup_s, zero_stage(ds_config), ctx.world_size, len(rows))
     return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config)
 
 
@@ -268,15 +268,15 @@ def preload(ctx: StageContext) -> None:
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
     preload_model_code(ctx)
-    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx).get("zero_optimization", {}).get("stage", 0))
+    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx))
 
 
-def compile_models(engine, ref, backend: str, zero_stage: int):
+def compile_models(engine, ref, backend: str, stage: int):
     """torch.compile the policy and the reference; returns the reference.
 
     ZeRO 0-2: each decoder layer (compile_layers). ZeRO-3: the whole policy through DeepSpeed's
     engine.compile, which its parameter-gathering hooks inside every layer need."""
-    if zero_stage == 3:
+    if stage == 3:
         # ZeRO-3's per-layer hooks read an integer layer id; as a static int it forces one recompile
         # per layer until dynamo gives up on the frame.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
@@ -328,7 +328,7 @@ def _skip_cpu_inference_op(deepspeed) -> None:
 
 def _zero3_init_context(ds_config: dict):
     """Under ZeRO-3, from_pretrained must see the DeepSpeed config to load weights already sharded."""
-    if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+    if zero_stage(ds_config) != 3:
         return None
     from transformers.integrations import HfDeepSpeedConfig
 

@@ -95,13 +95,12 @@ def test_compiled_layers_give_the_eager_loss_and_gradient():
     # "aot_eager" traces forward and backward as Inductor would, without building kernels on CPU.
     import copy
 
-    from stages.rl.modeling import compile_layers
-
-    torch.manual_seed(1)
     from transformers import AutoModelForCausalLM
 
+    from stages.rl.modeling import compile_layers
     from stages.rl.tiny_model import llama_config
 
+    torch.manual_seed(1)
     dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128)
     eager = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.float32)
@@ -110,8 +109,7 @@ def test_compiled_layers_give_the_eager_loss_and_gradient():
         packing.use_packed_attention(m)
     assert compile_layers(compiled, "aot_eager") == 3
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
-    # Padded rows, then rows of other lengths: the lengths are symbolic, the graph is traced once.
-    # Packed rows run the CPU's per-row attention, which breaks the graph at every row (seconds of
+    # Padded rows, then rows of other lengths (dynamic=True: the lengths are symbolic). Packed rows run the CPU's per-row attention, which breaks the graph at every row (seconds of
     # tracing per row count); their compiled path, the variable-length kernel, is tests/test_gpu.py's.
     for seed, n in ((2, 7), (3, 5)):
         batch = collate(train_rows(n, seed=seed), torch.device("cpu"))

@@ -30,6 +30,7 @@ import torch
 
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
+from stages.runtime.config import zero_stage
 from stages.runtime.memory import available_host_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
@@ -110,7 +111,7 @@ def why_not(cfg, zero_stage: int) -> str | None:
 def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
     """The checkpoint engine that holds this iteration's checkpoint in host memory until after the
     marker (installed in the DeepSpeed engine), or None when train writes it before the marker."""
-    why = why_not(ctx.cfg, ds_config.get("zero_optimization", {}).get("stage", 0))
+    why = why_not(ctx.cfg, zero_stage(ds_config))
     if why:
         log.info("checkpoint written before the marker: %s", why)
         return None
@@ -225,10 +226,7 @@ class HostPool:
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """A prepared tensor of `shape` and `dtype` (its contents undefined), or None."""
-        if self._thread is not None:
-            self._turn.set()
-            self._thread.join()
-            self._thread = None
+        self._join()
         free = self._free.get((str(dtype).removeprefix("torch."), tuple(shape)))
         if not free:
             return None
@@ -238,8 +236,15 @@ class HostPool:
 
     def release(self) -> None:
         """Drop what the snapshot did not take."""
-        self.take((), torch.uint8)
+        self._join()
         self._free.clear()
+
+    def _join(self) -> None:
+        """Wait for the filling thread (it stops waiting for a layout once told the turn came)."""
+        if self._thread is not None:
+            self._turn.set()
+            self._thread.join()
+            self._thread = None
 
     def _fill(self, path: Path, budget_bytes: int) -> None:
         while not path.is_file():
@@ -272,10 +277,10 @@ class HostPool:
 POOL = HostPool()
 
 
-def prepare_pool(ctx, zero_stage: int) -> None:
+def prepare_pool(ctx, ds_config: dict) -> None:
     """Start preparing host memory for this rank's snapshot, by the previous iteration's layout
     (a train process started early, before its turn; CUDA only: elsewhere nothing is copied)."""
-    if ctx.iteration == 0 or why_not(ctx.cfg, zero_stage) or not torch.cuda.is_available():
+    if ctx.iteration == 0 or why_not(ctx.cfg, zero_stage(ds_config)) or not torch.cuda.is_available():
         return
     POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), snapshot_budget(ctx))
 

@@ -246,6 +246,11 @@ class TrainConfig:
             raise ConfigError(f"train.kl_coef must be >= 0 (got {self.kl_coef})")
 
 
+def zero_stage(ds_config: dict) -> int:
+    """The ZeRO stage a DeepSpeed config asks for (0 where it names none)."""
+    return ds_config.get("zero_optimization", {}).get("stage", 0)
+
+
 def deepspeed_derived(t: "TrainConfig", world_size: int) -> dict:
     """The DeepSpeed keys the run config decides (they replace the JSON's): train builds its engine with
     them and `syncrl check` validates the JSON with them."""
