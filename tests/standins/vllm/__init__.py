@@ -103,8 +103,7 @@ class LLM:
         if self.asleep or self.model is None:
             raise RuntimeError(f"generate() while asleep ({sorted(self.asleep)} not woken up)")
         hang = os.environ.get("VLLM_STANDIN_HANG_ONCE")
-        if hang and os.path.exists(hang):  # fault injection for the tests: the first engine to see the file hangs
-            os.unlink(hang)
+        if hang and _claim(hang):  # fault injection for the tests: the one engine that removes the file hangs
             time.sleep(3600)
         if sampling_params.seed is not None and not -2**63 <= sampling_params.seed < 2**63:
             raise ValueError("a request's seed is kept as a 64-bit integer")  # vLLM 0.26's V2 model runner
@@ -138,3 +137,14 @@ class LLM:
         if exit_after:  # fault injection for the tests: the process dies a moment after answering
             threading.Timer(float(exit_after), os._exit, (3,)).start()
         return results
+
+
+def _claim(path: str) -> bool:
+    """Remove `path`; True for the one caller that did. Engines of several ranks may see it at once:
+    checking that it exists, then removing it, let two of them through, and the second's removal
+    failed its request instead of hanging (tests/test_engine.py then saw the other error)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
