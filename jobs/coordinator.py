@@ -28,7 +28,7 @@ from stages.runtime import retry as policies
 from stages.runtime.config import ConfigError, RunConfig, config_hash, dump_config, load_config
 from stages.runtime.dist import allocation
 from stages.runtime.paths import STAGES, RunPaths
-from stages.runtime.stage import base_model_id
+from stages.runtime.stage import EXIT_GAVE_UP_WAITING, base_model_id
 
 log = logging.getLogger("syncrl.coordinator")
 
@@ -427,12 +427,16 @@ class Coordinator:
             step, attempt, _ = self.background.pop((it, stage))
             return step, attempt
         step, attempt, _ = self.early.pop((it, stage), (None, None, None))
-        if step is not None and not step.running() and not step.wait(1).ok:
-            # It ended without success, most likely before its turn (it gave up waiting, or its node
-            # went away): start the stage afresh, without counting that as an attempt.
-            log.warning("iteration %d %-8s the early-started attempt %d ended before its turn; starting anew",
-                        it, stage, attempt)
-            return None, None
+        if step is not None and not step.running():
+            result = step.wait(1)
+            # Only an exit for giving up on the wait says the turn never came: start the stage afresh,
+            # without counting that as an attempt. Any other failure may have come after the turn (a
+            # rank killed as it began working), so it counts: _check_attempt names its ranks.
+            gave_up = set(result.returncodes.values()) <= {0, EXIT_GAVE_UP_WAITING}
+            if not result.ok and not result.timed_out and gave_up:
+                log.warning("iteration %d %-8s the early-started attempt %d gave up waiting for its turn; "
+                            "starting anew", it, stage, attempt)
+                return None, None
         return step, attempt
 
     def _check_attempt(self, it: int, stage: str, attempt: int, inputs: str, result) -> None:

@@ -54,13 +54,14 @@ def test_start_early_auto_needs_three_cores_per_rank(tmp_path, monkeypatch, core
     assert Coordinator(cfg, LocalLauncher(2))._starts_early() is expected
 
 
-def test_an_early_step_that_ended_without_success_is_started_afresh(tmp_path):
+def test_an_early_step_that_gave_up_waiting_is_started_afresh_and_one_that_failed_counts(tmp_path):
     import subprocess
     import sys
     import time
 
     from jobs.coordinator import Coordinator
     from jobs.launchers import LocalStep
+    from stages.runtime.stage import EXIT_GAVE_UP_WAITING
 
     cfg = load_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false"])
     coord = Coordinator(cfg, LocalLauncher(2))
@@ -69,14 +70,19 @@ def test_an_early_step_that_ended_without_success_is_started_afresh(tmp_path):
         return LocalStep({r: subprocess.Popen([sys.executable, "-c", f"raise SystemExit({c})"])
                           for r, c in enumerate(codes)})
 
-    gave_up, finished, waiting = step(75, 75), step(0, 0), LocalStep(
+    gave_up, finished, waiting = step(EXIT_GAVE_UP_WAITING, EXIT_GAVE_UP_WAITING), step(0, 0), LocalStep(
         {0: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])})
+    # A rank killed or raising once its turn came: the attempt counts, and its failure is reported.
+    killed = LocalStep({0: subprocess.Popen([sys.executable, "-c", "pass"]),
+                        1: subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])})
     time.sleep(1.0)
     coord.early = {(0, "train"): (gave_up, 1, None), (0, "save"): (finished, 1, None),
-                   (1, "generate"): (waiting, 2, None)}
+                   (1, "generate"): (waiting, 2, None), (1, "score"): (killed, 1, None)}
     assert coord._take_early(0, "train") == (None, None)  # gave up waiting: launched anew, no attempt used
     assert coord._take_early(0, "save") == (finished, 1)  # already done after its turn: its result counts
     assert coord._take_early(1, "generate") == (waiting, 2)
+    assert coord._take_early(1, "score") == (killed, 1)
+    assert killed.wait(1).failed_ranks == [1]
     assert coord._take_early(1, "train") == (None, None) and not coord.early
     waiting.cancel()
 
