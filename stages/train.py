@@ -58,6 +58,7 @@ class TrainRun:
     phases: Phases
     startup_s: float
     hf_ds_config: object  # transformers holds it weakly while a ZeRO-3 model exists: kept for the stage
+    ds_config: dict
 
 
 def set_up(ctx: StageContext) -> TrainRun:
@@ -119,7 +120,7 @@ def set_up(ctx: StageContext) -> TrainRun:
     startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, zero_stage(ds_config), ctx.world_size, len(rows))
-    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config)
+    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config, ds_config)
 
 
 def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, train_s: float) -> None:
@@ -133,7 +134,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     t2 = time.time()
     run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    writes = deferred_checkpoint.defer_writes(ctx, run.engine, deepspeed_config(ctx))
+    writes = deferred_checkpoint.defer_writes(ctx, run.engine, run.ds_config)
     local = write_checkpoint(ctx, run.engine, publish=writes is None)
     deferred_checkpoint.POOL.release()
     if writes is not None:
@@ -268,7 +269,7 @@ def preload(ctx: StageContext) -> None:
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
     preload_model_code(ctx)
-    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx))
+    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
 
 
 def compile_models(engine, ref, backend: str, stage: int):
@@ -299,11 +300,13 @@ def read_train_set(ctx: StageContext) -> list[dict]:
     return read_jsonl(ctx.paths.train_set(ctx.iteration))
 
 
-def deepspeed_config(ctx: StageContext) -> dict:
+def deepspeed_config(ctx: StageContext, warn: bool = True) -> dict:
+    """train.deepspeed_config with what the run config decides (batch sizes, lr); `warn`: log each
+    value of the file that the run config replaces."""
     t = ctx.cfg.train
     ds = json.loads(Path(t.deepspeed_config).read_text())
     for key, value in deepspeed_derived(t, ctx.world_size).items():
-        if key in ds and ds[key] not in ("auto", value):
+        if warn and key in ds and ds[key] not in ("auto", value):
             log.warning("%s: %s=%s replaced by %s from the run config", t.deepspeed_config, key, ds[key], value)
         ds[key] = value
     if t.local_checkpoint_dir:

@@ -91,6 +91,16 @@ def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_p
     assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)
 
 
+def test_save_export_benchmark_times_both_ways(tmp_path):
+    import json
+    out = run(["tests/benchmarks/save_export.py", "--preset", "tiny-llama", "--dtype", "float32", "--repeats", "1",
+               "--dir", str(tmp_path / "w"), "--json", str(tmp_path / "s.json")])
+    assert re.search(r"^mean: written [0-9.]+s, linked [0-9.]+s", out, re.M), out
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(r["method"], r["export"]) for r in rows] == [("written", "written"), ("linked", "linked")]
+    assert not (tmp_path / "w").exists()
+
+
 def test_vllm_engine_benchmark_runs_its_cycles_against_the_standin(tmp_path):
     # vLLM's API from tests/standins (vLLM cannot run here): the benchmark's own logic, the
     # sleep/wake/reload cycle included, runs for real around it.

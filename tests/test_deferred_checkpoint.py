@@ -67,7 +67,9 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
         assert "checkpoints/iter_" not in " ".join(train["outputs"])  # not on disk when train marked done
         assert f"iter_{it:05d}/train/policy.safetensors" in train["outputs"]
         save_log = (deferred / "logs" / f"iter_{it:05d}" / "save" / "attempt_1" / "rank_00000.log").read_text()
-        assert f"reading the weights from {deferred}/iter_{it:05d}/train/policy.safetensors" in save_log
+        assert f"exported by linking {deferred}/iter_{it:05d}/train/policy.safetensors" in save_log
+        save = json.loads((deferred / f"iter_{it:05d}" / "markers" / "save.done").read_text())
+        assert save["export"] == "linked" and save["consolidate_s"] == 0.0
         train_log = (deferred / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00001.log").read_text()
         assert "checkpoint written after the marker" in train_log
         # Each rank's snapshot layout, for the next train's host memory (empty on CPU: host tensors
@@ -75,6 +77,11 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
         for rank in (0, 1):
             assert json.loads((deferred / f"iter_{it:05d}" / "train" / f"snapshot_layout.rank_{rank:05d}.json")
                               .read_text()) == []
+    # The last export is train's policy file under a second name (the next save removes the first).
+    assert os.path.samefile(deferred / "models" / "iter_00001" / "model.safetensors",
+                            deferred / "iter_00001" / "train" / "policy.safetensors")
+    assert not (deferred / "iter_00000" / "train" / "policy.safetensors").exists()
+    assert (deferred / "models" / "iter_00000" / "model.safetensors").is_file()
     # The checkpoint in place is the last train's, whole (its record names the attempt), and resumable.
     record = json.loads((deferred / "checkpoints" / "iter_00001" / "syncrl-checkpoint.json").read_text())
     assert record["id"] == train["deferred_checkpoint"]["id"]

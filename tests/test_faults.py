@@ -238,10 +238,12 @@ def test_config_changed_between_run_and_resume_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
-    """Local: a file-size limit on the save process stands in for a full disk (EFBIG, like ENOSPC)."""
+    """Local: a file-size limit on the save process stands in for a full disk (EFBIG, like ENOSPC).
+    The checkpoint is written before train's marker, so that save writes the weights itself (with
+    it written after, save links in the file train wrote: tests/test_save_export.py)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
-           *SMALL_RUN, "--launcher", "local"]
+           *SMALL_RUN, "train.deferred_checkpoint=false", "--launcher", "local"]
     assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
     model = run_dir / "models" / "iter_00001" / "model.safetensors"
     published = model.read_bytes()

@@ -138,8 +138,6 @@ def test_every_iteration_gives_the_engine_the_same_model_path(base, vllm, tmp_pa
 def test_the_built_in_base_model_has_the_config_save_exports(tmp_path):
     # vLLM's compile cache is keyed on the model's config: iteration 0's engine (the base model) and
     # later ones (save's exports) share its entry only if both configs are the same, dtype included.
-    from types import SimpleNamespace
-
     from safetensors.torch import load_file
 
     from stages.save import export
@@ -147,7 +145,7 @@ def test_the_built_in_base_model_has_the_config_save_exports(tmp_path):
     base = create_base_model(tmp_path / "base", "tiny-llama", seed=0, dtype="bfloat16")
     weights = load_file(base / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
-    export(base, weights, "bfloat16", tmp_path / "export", SimpleNamespace(tokenizer_path=lambda: base))
+    export(base, weights, "bfloat16", tmp_path / "export", base)
     config = json.loads((base / "config.json").read_text())
     assert config == json.loads((tmp_path / "export" / "config.json").read_text())
     # The weights are the fp32 initialisation rounded once, as a run in bf16 loaded them before.

@@ -138,7 +138,7 @@ def write_policy(ctx, writes: DeferredWrites) -> Path:
     path = ctx.paths.train_policy(ctx.iteration)
     tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(tmp))
+    save_file(weights, str(tmp), metadata={"format": "pt"})  # as transformers writes it: save links it in
     os.replace(tmp, path)
     return path
 

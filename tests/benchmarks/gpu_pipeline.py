@@ -254,8 +254,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
                              for k in train[0].get("startup_phases", {})},
             "compute_s": gen_s + train_s,
-            "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")} | {"verify_s": m["save"].get("verify_s")}
-                    | {"export_gb_per_s": m["save"]["bytes"] / 1e9 / m["save"]["export_s"]},
+            "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
+                    | {k: m["save"].get(k) for k in ("verify_s", "export")},
             "reward_mean": stats.get("reward_mean"),
         })
 
@@ -343,7 +343,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  export s             ", col("save", "export_s", "{:>9.1f}"))
     print("  verify s             ", col("save", "verify_s", "{:>9.1f}"))
     print("  exported GB          ", "  ".join(f"{r['save']['bytes'] / 1e9:>9.2f}" for r in per_it))
-    print("  export GB/s          ", col("save", "export_gb_per_s", "{:>9.2f}"))
+    print("  export (written, or train's policy file linked)",
+          "  ".join(f"{r['save']['export'] or '-':>9}" for r in per_it))
     print("\nreward mean          ", "  ".join(f"{r['reward_mean']:>9.3f}" for r in per_it))
     print("\nstart-up per stage: process start (started early: its turn) to first useful work (s)")
     for stage in ("generate", "train", "save"):
