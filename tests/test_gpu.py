@@ -200,25 +200,34 @@ def test_a_deferred_checkpoint_snapshot_copies_every_byte():
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
-def test_a_snapshot_fills_the_host_memory_prepared_by_its_layout(tmp_path):
-    # The next train prepares host memory by the layout a snapshot records (deferred_checkpoint.HostPool):
-    # a second snapshot of the same state copies into the prepared tensors, every byte.
+@pytest.mark.parametrize("locked", [True, False], ids=["page-locked", "pageable"])
+def test_a_snapshot_fills_the_host_memory_prepared_by_its_layout(tmp_path, locked):
+    # The next train prepares host memory by the layout a snapshot records (deferred_checkpoint.HostPool),
+    # page-locked on CUDA (the GPU copies straight into it) or only faulted in: a second snapshot of
+    # the same state copies into the prepared tensors, every byte.
     import torch
 
     from stages.rl import deferred_checkpoint as dc
 
     g = torch.Generator(device="cuda").manual_seed(1)
     state = {"w": torch.randn(dc.STAGING_BYTES // 2 + 7, device="cuda", generator=g).to(torch.bfloat16),
-             "m": torch.randn(1000, 33, device="cuda", generator=g), "step": torch.tensor(3, device="cuda")}
+             "m": torch.randn(1000, 33, device="cuda", generator=g), "step": torch.tensor(3, device="cuda"),
+             "norm": torch.randn(5, device="cuda", generator=g).to(torch.bfloat16)}  # less than a page
     layout = []
     dc.to_host(state, layout)
     (tmp_path / "layout.json").write_text(__import__("json").dumps(layout))
     pool = dc.HostPool()
-    pool.prepare(tmp_path / "layout.json", budget_bytes=1 << 30)
+    pool.prepare(tmp_path / "layout.json", budget_bytes=1 << 30, cuda_device=0 if locked else None)
     saved, dc.POOL = dc.POOL, pool
     try:
         host = dc.to_host(state)
     finally:
         dc.POOL = saved
-    assert pool.prepared_bytes == pool.taken_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    assert pool.prepared_bytes == pool.taken_bytes == size
+    assert pool.locked_bytes == (size if locked else 0)
+    assert all(pool.page_locked(t) == locked and t.is_pinned() == locked for t in host.values())
+    assert all(torch.equal(host[k], v.cpu()) for k, v in state.items())
+    pool.close()  # unlocked: still readable host memory
+    assert not any(pool.page_locked(t) or t.is_pinned() for t in host.values())
     assert all(torch.equal(host[k], v.cpu()) for k, v in state.items())

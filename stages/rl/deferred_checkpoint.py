@@ -20,6 +20,7 @@ import ctypes
 import errno
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -149,6 +150,7 @@ def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) ->
     t0 = time.time()
     with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
         write_s = writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
+    POOL.close()  # the snapshot is written: its page-locked memory is no longer needed
     dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", ctx.cfg.train.timeout_s)
     if ctx.rank == 0:
         staging = ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration)
@@ -205,18 +207,26 @@ class HostPool:
     Fresh host memory is faulted in page by page as it is first written: on one H200 machine that put
     the snapshot's copy at 3.8-4.0 s (6.66 GB) before train's marker, 0.7-1.7 s on others. A train
     process started early has seconds to spare before its turn (save, generate, score and gather of
-    the iteration run meanwhile); it spends them on one core, outside the GIL (memset)."""
+    the iteration run meanwhile); it spends them on one core, outside the GIL.
+
+    On CUDA each tensor is its own page-aligned mapping, page-locked (registered with CUDA), so the
+    GPU copies into it directly at full bus speed: 6.66 GB into page-locked memory took 0.12 s, through
+    two page-locked buffers into touched pageable memory 0.75-1.0 s (tests/benchmarks/snapshot_copy.py).
+    Locking costs about what allocating does, and is paid before the turn. Elsewhere, or where CUDA
+    refuses to lock, the pages are only faulted in (memset)."""
 
     def __init__(self):
         self._free: dict[tuple, list] = {}
         self._thread: threading.Thread | None = None
         self._turn = threading.Event()
-        self.prepared_bytes = self.taken_bytes = 0
+        self._locked: dict[int, object] = {}  # data_ptr -> the mapping of a page-locked tensor
+        self.prepared_bytes = self.taken_bytes = self.locked_bytes = 0
 
-    def prepare(self, layout_path: Path, budget_bytes: int) -> None:
+    def prepare(self, layout_path: Path, budget_bytes: int, cuda_device: int | None = None) -> None:
         """Start preparing, in a thread, the tensors `layout_path` lists once it is there (the
-        previous train writes it with its snapshot); none if they would exceed `budget_bytes`."""
-        self._thread = threading.Thread(target=self._fill, args=(Path(layout_path), budget_bytes),
+        previous train writes it with its snapshot); none if they would exceed `budget_bytes`.
+        With `cuda_device` (an index), page-locked for copies from that GPU."""
+        self._thread = threading.Thread(target=self._fill, args=(Path(layout_path), budget_bytes, cuda_device),
                                         name="host-pool", daemon=True)
         self._thread.start()
 
@@ -226,7 +236,7 @@ class HostPool:
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """A prepared tensor of `shape` and `dtype` (its contents undefined), or None."""
-        self._join()
+        self.wait()
         free = self._free.get((str(dtype).removeprefix("torch."), tuple(shape)))
         if not free:
             return None
@@ -234,19 +244,36 @@ class HostPool:
         self.taken_bytes += t.numel() * t.element_size()
         return t
 
+    def page_locked(self, t: torch.Tensor) -> bool:
+        """Whether `t` is one of this pool's page-locked tensors (a GPU copies into it directly)."""
+        return t.data_ptr() in self._locked
+
     def release(self) -> None:
         """Drop what the snapshot did not take."""
-        self._join()
+        self.wait()
+        for tensors in self._free.values():
+            for t in tensors:
+                self._unlock(t.data_ptr())
         self._free.clear()
 
-    def _join(self) -> None:
+    def close(self) -> None:
+        """Unlock the pages of every tensor the snapshot took (once it is written: it holds them)."""
+        self.release()
+        for ptr in list(self._locked):
+            self._unlock(ptr)
+
+    def _unlock(self, ptr: int) -> None:
+        if self._locked.pop(ptr, None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def wait(self) -> None:
         """Wait for the filling thread (it stops waiting for a layout once told the turn came)."""
         if self._thread is not None:
             self._turn.set()
             self._thread.join()
             self._thread = None
 
-    def _fill(self, path: Path, budget_bytes: int) -> None:
+    def _fill(self, path: Path, budget_bytes: int, cuda_device: int | None) -> None:
         while not path.is_file():
             if self._turn.is_set() and not path.is_file():
                 return
@@ -262,14 +289,39 @@ class HostPool:
                      budget_bytes / 1e9)
             return
         t0 = time.time()
+        lock = cuda_device is not None
+        if lock:
+            torch.cuda.set_device(cuda_device)  # this thread's device: CUDA's context is made on it
         for (dtype, shape), size in zip(layout, sizes):
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
-            if size:
-                ctypes.memset(t.data_ptr(), 0, size)  # faults the pages in; ctypes releases the GIL
+            t = None
+            if lock and size:
+                t = self._page_locked(shape, getattr(torch, dtype), size)
+                lock = t is not None  # CUDA refused: the rest is only faulted in
+            if t is None:
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                if size:
+                    ctypes.memset(t.data_ptr(), 0, size)  # faults the pages in; ctypes releases the GIL
             self._free.setdefault((dtype, shape), []).append(t)
         self.prepared_bytes = sum(sizes)
-        log.info("host memory for the snapshot prepared: %.2f GB in %d tensors, %.1fs", self.prepared_bytes / 1e9,
-                 len(layout), time.time() - t0)
+        log.info("host memory for the snapshot prepared: %.2f GB in %d tensors (%.2f GB page-locked), %.1fs",
+                 self.prepared_bytes / 1e9, len(layout), self.locked_bytes / 1e9, time.time() - t0)
+
+    def _page_locked(self, shape, dtype: torch.dtype, size: int) -> torch.Tensor | None:
+        """A host tensor in a mapping of its own, page-locked; None where CUDA refuses to lock it.
+
+        A mapping per tensor: locking works on whole pages, and two tensors of one page could not both
+        be locked; a tensor that shared a storage with others would be written with all of it."""
+        region = mmap.mmap(-1, size)
+        t = torch.frombuffer(region, dtype=torch.uint8, count=size).view(dtype).view(shape)
+        # cudaHostRegisterPortable: page-locked for every CUDA context of the process.
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 1)
+        if int(err) != 0:
+            log.warning("host memory for the snapshot not page-locked: cudaHostRegister returned %s; faulted in "
+                        "instead (the copy to it goes through page-locked buffers)", err)
+            return None
+        self._locked[t.data_ptr()] = region
+        self.locked_bytes += size
+        return t
 
 
 # The train process's pool: train's preload prepares it, copy_to_host takes from it, train releases
@@ -282,7 +334,8 @@ def prepare_pool(ctx, ds_config: dict) -> None:
     (a train process started early, before its turn; CUDA only: elsewhere nothing is copied)."""
     if ctx.iteration == 0 or why_not(ctx.cfg, zero_stage(ds_config)) or not torch.cuda.is_available():
         return
-    POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), snapshot_budget(ctx))
+    POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), snapshot_budget(ctx),
+                 cuda_device=ctx.info.local_rank % torch.cuda.device_count())
 
 
 def snapshot_budget(ctx) -> int:
@@ -305,32 +358,45 @@ def _rebuilt(obj, copies: dict):
     return obj
 
 
-# Page-locked buffers the CUDA copies go through (two: one fills from the GPU while the other is
-# copied out). On 1 H200, 6.66 GB of checkpoint state took 5.6 s with tensor.to("cpu") into fresh
-# pageable memory, 0.75-1.0 s staged so (tests/benchmarks/snapshot_copy.py); page-locking the
-# whole snapshot instead cost 4.9 s of allocation.
+# Page-locked buffers the CUDA copies into pageable memory go through (two: one fills from the GPU
+# while the other is copied out). On 1 H200, 6.66 GB of checkpoint state took 5.6 s with
+# tensor.to("cpu") into fresh pageable memory, 0.75-1.0 s staged so (tests/benchmarks/snapshot_copy.py);
+# page-locking the whole snapshot costs 4.9 s, which only a process started early can spare (HostPool).
 STAGING_BYTES = 64 << 20
 
 
 def copy_to_host(tensors: list) -> list:
     """Host copies of `tensors` (accelerator tensors; views copied as contiguous tensors).
 
-    CUDA tensors go through two page-locked STAGING_BYTES buffers on a side stream, each chunk's
-    copy from the GPU overlapping the host copy of the one before, into host tensors prepared
-    beforehand (POOL) or else first written with zeros: the fill faults their pages in on every core
-    (torch's parallel fill), where a copy into fresh pageable memory faults them one by one. Other
-    devices copy with tensor.to("cpu")."""
+    CUDA tensors are copied on a side stream into host tensors prepared beforehand (POOL): straight
+    into those it page-locked; else through two page-locked STAGING_BYTES buffers, each chunk's copy
+    from the GPU overlapping the host copy of the one before, into prepared tensors or ones first
+    written with zeros (the fill faults their pages in on every core, torch's parallel fill, where a
+    copy into fresh pageable memory faults them one by one). Other devices copy with tensor.to("cpu")."""
     out = [_host_tensor(t) if t.is_cuda else t.detach().to("cpu", copy=True) for t in tensors]
     cuda = [(t.detach().contiguous(), o) for t, o in zip(tensors, out) if t.is_cuda and t.numel()]
     if not cuda:
         return out
-    buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    filled = [torch.cuda.Event(), torch.cuda.Event()]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())  # the state's last writes come first
+    with torch.cuda.stream(stream):
+        for src, dst in cuda:
+            if POOL.page_locked(dst):
+                dst.copy_(src, non_blocking=True)
+    staged = [(src, dst) for src, dst in cuda if not POOL.page_locked(dst)]
+    if staged:
+        copy_staged(staged, stream)
+    stream.synchronize()
+    return out
+
+
+def copy_staged(pairs: list, stream) -> None:
+    """Each (CUDA source, pageable host destination) pair copied through two page-locked buffers."""
+    buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    filled = [torch.cuda.Event(), torch.cuda.Event()]
     pending = None  # (buffer, host bytes, length): copied into the buffer, not yet out of it
     k = 0
-    for src, dst in cuda:
+    for src, dst in pairs:
         src_bytes, dst_bytes = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
         for start in range(0, src_bytes.numel(), STAGING_BYTES):
             n = min(STAGING_BYTES, src_bytes.numel() - start)
@@ -342,7 +408,6 @@ def copy_to_host(tensors: list) -> list:
                 _drain(buffers, filled, pending)
             pending, k = (k, dst_bytes[start:start + n], n), 1 - k
     _drain(buffers, filled, pending)
-    return out
 
 
 def _host_tensor(t: torch.Tensor) -> torch.Tensor:
