@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import checkpoint_prefetch, deferred_checkpoint, flops, packing
+from stages.rl import deferred_checkpoint, flops, packing
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -65,7 +65,6 @@ def set_up(ctx: StageContext) -> TrainRun:
     """Process group, models, DeepSpeed engine and resumed state, each start-up phase timed."""
     cfg, t = ctx.cfg, ctx.cfg.train
     deferred_checkpoint.POOL.turn_came()
-    checkpoint_prefetch.PREFETCH.turn_came()
     phases = Phases(ctx.start)
     with phases("import_deepspeed"):
         import deepspeed
@@ -110,7 +109,6 @@ def set_up(ctx: StageContext) -> TrainRun:
     with phases("resume_checkpoint"):
         watchdog.beat("resume optimizer state")
         resume_optimizer(ctx, engine)
-        checkpoint_prefetch.PREFETCH.release()  # read ahead and not loaded (no resume, or a failed one)
         folder, writer = checkpoint_folder(ctx)
         if writer:
             # A staging directory left by an attempt that died mid-write: nobody else writes it until
@@ -178,7 +176,6 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
         "model_flops": totals["flops"], "startup_s": run.startup_s, "startup_phases": run.phases.seconds,
         "train_s": train_s, "checkpoint_s": save_s, "first_micro_batch_s": first_micro_batch_s,
-        "resume_read_ahead": dict(checkpoint_prefetch.PREFETCH.figures),
         "update_host_s": host,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
@@ -272,9 +269,7 @@ def preload(ctx: StageContext) -> None:
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
     preload_model_code(ctx)
-    ds_config = deepspeed_config(ctx, warn=False)  # set-up warns
-    deferred_checkpoint.prepare_pool(ctx, ds_config)
-    checkpoint_prefetch.prepare(ctx, ds_config)
+    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
 
 
 def compile_models(engine, ref, backend: str, stage: int):
@@ -359,8 +354,7 @@ def resume_optimizer(ctx: StageContext, engine) -> None:
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     source / tag, ctx.policy_path())
         return
-    with checkpoint_io(ctx.cfg.train.checkpoint_mmap), \
-            checkpoint_prefetch.PREFETCH.serving(engine, ctx.cfg.train.timeout_s):
+    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
         path, _ = engine.load_checkpoint(str(source), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:

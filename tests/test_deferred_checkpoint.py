@@ -62,13 +62,6 @@ def runs(tmp_path_factory, tiny_run):
 def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
     deferred, before = runs
     same_weights(deferred, before)
-    # Iteration 1's train, started early, read iteration 0's checkpoint ahead of its turn (checkpoint_prefetch):
-    # each rank its optimizer partition and the model states, both served to DeepSpeed's load.
-    for rank in (0, 1):
-        train = json.loads((deferred / "iter_00001" / "markers" / f"train.rank_{rank:05d}.done").read_text())
-        assert train["resume_read_ahead"]["files"] == train["resume_read_ahead"]["served"] == 2, train
-        log = (deferred / "logs" / "iter_00001" / "train" / "attempt_1" / f"rank_{rank:05d}.log").read_text()
-        assert f"{deferred}/checkpoints/iter_00000/mp_rank_00_model_states.pt: read ahead, before the turn" in log
     for it in (0, 1):
         train = json.loads((deferred / f"iter_{it:05d}" / "markers" / "train.done").read_text())
         assert "checkpoints/iter_" not in " ".join(train["outputs"])  # not on disk when train marked done

@@ -168,10 +168,10 @@ def state_bytes(obj, host_too: bool = False) -> int:
     """Bytes a snapshot copies: the distinct accelerator tensors of a (nested) state (views of one
     storage counted once; host tensors are kept, not copied). host_too: every tensor's."""
     seen, total = set(), 0
-    for t in tensors_in(obj):
+    for t in _tensors(obj):
         if t.device.type == "cpu" and not host_too:
             continue
-        key = view_key(t)
+        key = _view_key(t)
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -186,13 +186,13 @@ def to_host(obj, layout: list | None = None):
     change. A tensor that appears twice (tied weights) is copied once and appears twice in the
     result, as torch.save keeps shared storage."""
     memo = {}
-    for t in tensors_in(obj):
+    for t in _tensors(obj):
         if t.device.type != "cpu":
-            memo.setdefault(view_key(t), t)
+            memo.setdefault(_view_key(t), t)
     if layout is not None:
         layout += [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in memo.values()]
     copies = dict(zip(memo, copy_to_host(list(memo.values()))))
-    return replaced(obj, copies)
+    return _rebuilt(obj, copies)
 
 
 def write_layout(ctx, writes: DeferredWrites) -> None:
@@ -219,16 +219,13 @@ class HostPool:
         self._free: dict[tuple, list] = {}
         self._thread: threading.Thread | None = None
         self._turn = threading.Event()
-        self._decided = threading.Event()  # planned_bytes is final
-        self._decided.set()  # nothing planned until prepare
         self._locked: dict[int, object] = {}  # data_ptr -> the mapping of a page-locked tensor
-        self.planned_bytes = self.prepared_bytes = self.taken_bytes = self.locked_bytes = 0
+        self.prepared_bytes = self.taken_bytes = self.locked_bytes = 0
 
     def prepare(self, layout_path: Path, budget_bytes: int, cuda_device: int | None = None) -> None:
         """Start preparing, in a thread, the tensors `layout_path` lists once it is there (the
         previous train writes it with its snapshot); none if they would exceed `budget_bytes`.
         With `cuda_device` (an index), page-locked for copies from that GPU."""
-        self._decided.clear()
         self._thread = threading.Thread(target=self._fill, args=(Path(layout_path), budget_bytes, cuda_device),
                                         name="host-pool", daemon=True)
         self._thread.start()
@@ -246,13 +243,6 @@ class HostPool:
         t = free.pop()
         self.taken_bytes += t.numel() * t.element_size()
         return t
-
-    def wait_planned(self, give_up) -> int:
-        """The bytes the pool holds once prepared, as soon as it knows (polling give_up() to stop
-        waiting; then what it knows by then)."""
-        while not self._decided.wait(0.1) and not give_up():
-            pass
-        return self.planned_bytes
 
     def page_locked(self, t: torch.Tensor) -> bool:
         """Whether `t` is one of this pool's page-locked tensors (a GPU copies into it directly)."""
@@ -274,7 +264,7 @@ class HostPool:
 
     def _unlock(self, ptr: int) -> None:
         if self._locked.pop(ptr, None) is not None:
-            unlock_pages(ptr)
+            torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def wait(self) -> None:
         """Wait for the filling thread (it stops waiting for a layout once told the turn came)."""
@@ -284,12 +274,6 @@ class HostPool:
             self._thread = None
 
     def _fill(self, path: Path, budget_bytes: int, cuda_device: int | None) -> None:
-        try:
-            self._fill_by(path, budget_bytes, cuda_device)
-        finally:
-            self._decided.set()
-
-    def _fill_by(self, path: Path, budget_bytes: int, cuda_device: int | None) -> None:
         while not path.is_file():
             if self._turn.is_set() and not path.is_file():
                 return
@@ -304,8 +288,6 @@ class HostPool:
             log.info("host memory not prepared: %s lists %.2f GB, over the budget of %.2f GB", path, sum(sizes) / 1e9,
                      budget_bytes / 1e9)
             return
-        self.planned_bytes = sum(sizes)
-        self._decided.set()
         t0 = time.time()
         lock = cuda_device is not None
         if lock:
@@ -325,34 +307,21 @@ class HostPool:
                  self.prepared_bytes / 1e9, len(layout), self.locked_bytes / 1e9, time.time() - t0)
 
     def _page_locked(self, shape, dtype: torch.dtype, size: int) -> torch.Tensor | None:
-        locked = page_locked_empty(shape, dtype, size)
-        if locked is None:
+        """A host tensor in a mapping of its own, page-locked; None where CUDA refuses to lock it.
+
+        A mapping per tensor: locking works on whole pages, and two tensors of one page could not both
+        be locked; a tensor that shared a storage with others would be written with all of it."""
+        region = mmap.mmap(-1, size)
+        t = torch.frombuffer(region, dtype=torch.uint8, count=size).view(dtype).view(shape)
+        # cudaHostRegisterPortable: page-locked for every CUDA context of the process.
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 1)
+        if int(err) != 0:
+            log.warning("host memory for the snapshot not page-locked: cudaHostRegister returned %s; faulted in "
+                        "instead (the copy to it goes through page-locked buffers)", err)
             return None
-        t, region = locked
         self._locked[t.data_ptr()] = region
         self.locked_bytes += size
         return t
-
-
-def page_locked_empty(shape, dtype: torch.dtype, size: int) -> tuple[torch.Tensor, mmap.mmap] | None:
-    """A host tensor of `size` bytes (> 0) in a mapping of its own, page-locked for every CUDA context
-    of the process, and its mapping (unlock_pages takes the tensor's address); None where CUDA
-    refuses to lock it.
-
-    A mapping per tensor: locking works on whole pages, and two tensors of one page could not both be
-    locked; a tensor that shared a storage with others would be written to a checkpoint with all of it."""
-    region = mmap.mmap(-1, size)
-    t = torch.frombuffer(region, dtype=torch.uint8, count=size).view(dtype).view(shape)
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 1)  # 1: cudaHostRegisterPortable
-    if int(err) != 0:
-        log.warning("host memory not page-locked: cudaHostRegister returned %s; pageable memory instead", err)
-        return None
-    return t, region
-
-
-def unlock_pages(ptr: int) -> None:
-    """Undo page_locked_empty's lock of the tensor at `ptr` (its memory stays while referenced)."""
-    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 # The train process's pool: train's preload prepares it, copy_to_host takes from it, train releases
@@ -376,17 +345,16 @@ def snapshot_budget(ctx) -> int:
     return int(available_host_bytes() * HOST_MEMORY_SHARE / ranks_per_node)
 
 
-def replaced(obj, copies: dict):
-    """`obj` (dicts, lists, tuples, nested) with each tensor whose view_key is in `copies` replaced."""
+def _rebuilt(obj, copies: dict):
     if isinstance(obj, torch.Tensor):
-        return copies.get(view_key(obj), obj)
+        return obj if obj.device.type == "cpu" else copies[_view_key(obj)]
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the dict's type (OrderedDict, defaultdict's factory)
         for k, v in obj.items():
-            out[k] = replaced(v, copies)
+            out[k] = _rebuilt(v, copies)
         return out
     if type(obj) in (list, tuple):
-        return type(obj)(replaced(v, copies) for v in obj)
+        return type(obj)(_rebuilt(v, copies) for v in obj)
     return obj
 
 
@@ -453,17 +421,17 @@ def _drain(buffers, filled, pending) -> None:
     dst.copy_(buffers[j][:n])
 
 
-def tensors_in(obj):
+def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from tensors_in(v)
+            yield from _tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from tensors_in(v)
+            yield from _tensors(v)
 
 
-def view_key(t: torch.Tensor) -> tuple:
+def _view_key(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) if t.numel() else \
         (id(t),)

@@ -243,10 +243,6 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 # train.deferred_checkpoint: the copy to host memory before the marker, the write after it.
                 "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
                 "write_after_s": deferred_write_s(run_dir, it),
-                # checkpoint_prefetch: the previous checkpoint read before train's turn (slowest rank)
-                "read_ahead_gb": max(r.get("resume_read_ahead", {}).get("gb", 0.0) for r in train),
-                "read_ahead_s": max(r.get("resume_read_ahead", {}).get("read_s", 0.0) for r in train),
-                "read_ahead_waited_s": max(r.get("resume_read_ahead", {}).get("waited_s", 0.0) for r in train),
             },
             "startup_s": {
                 # Process start to first useful work: sampling (generate), the first update (train),
@@ -342,10 +338,6 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         print("  train start-up phases (s, slowest rank):")
         for k in phases:
             print(f"    {k:<22}", "  ".join(f"{r['train_phases'].get(k, 0.0):>9.1f}" for r in per_it))
-    print("  checkpoint read ahead of the turn (GB; s reading; s the resume waited for it):")
-    print("                       ", "  ".join(f"{r['train']['read_ahead_gb']:>9.2f}" for r in per_it))
-    print("                       ", col("train", "read_ahead_s", "{:>9.1f}"))
-    print("                       ", col("train", "read_ahead_waited_s", "{:>9.1f}"))
     print("\nsave")
     print("  consolidate s        ", col("save", "consolidate_s", "{:>9.1f}"))
     print("  export s             ", col("save", "export_s", "{:>9.1f}"))
