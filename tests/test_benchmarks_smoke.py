@@ -32,6 +32,19 @@ def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_the_train_step_benchmark_names_where_the_host_time_goes(tmp_path):
+    # --host-profile: rank 0's timed steps under cProfile; DeepSpeed's engine step and syncrl's micro-step
+    # are among the functions it names.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                           "tests/benchmarks/train_mfu.py", "--preset", "tiny-llama", "--seq", "64", "--steps", "2",
+                           "--warmup", "1", "--variants", "z2:m2", "--model-dir", str(tmp_path / "base"),
+                           "--host-profile"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "s/step" in proc.stdout
+    assert proc.stderr.count("HOST PROFILE wall") == 2, proc.stderr[-3000:]
+    assert "micro_step" in proc.stderr and "engine.py" in proc.stderr and "(step)" in proc.stderr
+
+
 def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path):
     # --shape builds from the config under zero.Init (how the largest models are benchmarked): the
     # same parameter count as the preset loaded from disk, and each rank holding only its partition.

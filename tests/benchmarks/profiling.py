@@ -41,3 +41,24 @@ def gpu_busy_seconds(prof) -> tuple[float, int]:
             busy += b - max(a, end)
             end = b
     return busy / 1e6, len(kernels)
+
+
+def host_profiled(call, rows: int = 25):
+    """Run `call()` under cProfile and print to stderr where the host's time went, by Python function
+    (cumulative, then own time): what torch.profiler's operator table does not name, such as
+    DeepSpeed's per-parameter hooks and its optimizer step's bookkeeping. Returns what `call` returned."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    out = profile.runcall(call)
+    wall = time.perf_counter() - t0
+    for sort in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(sort).print_stats(rows)
+        print(f"HOST PROFILE wall {wall:.2f}s (cProfile slows Python calls), by {sort} time:\n{text.getvalue()}",
+              file=sys.stderr)
+    return out
+

@@ -18,7 +18,9 @@ layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile
 0-2, stages/rl/modeling.compile_layers) and nocheck (bf16.check_grad_overflow off: no per-parameter
 inf/NaN pass in the optimizer step).
 --split times each step's forward and backward apart from its optimizer step (a device sync
-between the two), so what the step itself costs is printed.
+between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
+functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
+waits for it.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/benchmarks/train_mfu.py \\
         [--preset small-llama | --shape llama-8b] [--seq 1024] [--steps 10] [--variants z2:m8,z2:m16,z2:m32,z3:m16]
@@ -136,6 +138,9 @@ def main() -> int:
                         help="time forward+backward and the optimizer step apart (a device sync between)")
     parser.add_argument("--profile", action="store_true",
                         help="trace each variant's timed steps (torch.profiler, on stderr); slows them")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="profile each variant's timed steps by Python function on rank 0 (cProfile, on "
+                             "stderr): where the host's dispatch time goes; slows them")
     args = parser.parse_args()
 
     import deepspeed
@@ -239,6 +244,11 @@ def main() -> int:
 
             timed_batches = batches[args.warmup:]
             profiled(lambda: run(timed_batches), device)
+        elif args.host_profile and rank == 0:
+            from tests.benchmarks.profiling import host_profiled
+
+            timed_batches = batches[args.warmup:]
+            host_profiled(lambda: run(timed_batches) or sync())
         else:
             run(batches[args.warmup:], timed=args.split)
         if device.type == "cuda":
