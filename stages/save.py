@@ -11,8 +11,7 @@ copy once the persist stage has made it.
 
 No process group: one task reads the ZeRO shards from disk. The export is verified (reloaded and
 compared; linked, its header checked), then published by atomic rename, so generate never sees a
-half-written model. Old checkpoints are pruned
-per save.keep_checkpoints.
+half-written model. Old checkpoints are pruned per save.keep_checkpoints.
 
 By hand:
 

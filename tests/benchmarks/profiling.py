@@ -61,4 +61,3 @@ def host_profiled(call, rows: int = 25):
         print(f"HOST PROFILE wall {wall:.2f}s (cProfile slows Python calls), by {sort} time:\n{text.getvalue()}",
               file=sys.stderr)
     return out
-
