@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import deferred_checkpoint, flops, packing
+from stages.rl import cuda_graphs, deferred_checkpoint, flops, packing
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
-from stages.runtime.config import deepspeed_derived, zero_stage
+from stages.runtime.config import ConfigError, deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.memory import release_cached_memory
@@ -169,6 +169,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         write_jsonl_atomic(curve, history)
         outputs.append(curve)
     first_micro_batch_s = totals.pop("first_micro_batch_s", 0.0)
+    graphs = {"cuda_graphs_s": totals.pop("cuda_graphs_s")} if "cuda_graphs_s" in totals else {}
     host = totals.pop("host")
     totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
@@ -176,7 +177,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
         "model_flops": totals["flops"], "startup_s": run.startup_s, "startup_phases": run.phases.seconds,
         "train_s": train_s, "checkpoint_s": save_s, "first_micro_batch_s": first_micro_batch_s,
-        "update_host_s": host,
+        "update_host_s": host, **graphs,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
         **_history_means(history),
@@ -387,6 +388,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     totals = {"tokens": 0, "positions": 0, "flops": 0.0}
     steps = optimizer_steps(rows, ctx)
     engine.train()
+    shape = graph_layers(ctx, engine, steps, device, totals)
     bar = Progress(sum(len(s.micro_batches) for s in steps), f"train iteration {ctx.iteration}: micro-batches",
                    ctx.rank)
     passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
@@ -398,7 +400,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
             t0 = time.perf_counter()
-            batch = packing.pack(micro, device) if t.remove_padding else collate(micro, device)
+            batch = packing.pack(micro, device, shape) if t.remove_padding else collate(micro, device)
             if step.normalizer is not None:
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
@@ -428,8 +430,27 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         host["step_records_s"] += time.perf_counter() - t0
         check_gradient(ctx, engine, history[-1])
     bar.close()
+    if shape is not None:
+        cuda_graphs.release_layers(engine.module)  # their memory, for the checkpoint's copy
     totals["host"] = host
     return history, totals
+
+
+def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> tuple[int, int] | None:
+    """With train.cuda_graphs, capture the policy's layers as CUDA graphs at the one packed shape all
+    of this rank's micro-batches fit (stages/rl/cuda_graphs.py); returns that shape (None: no graphs)."""
+    if not ctx.cfg.train.cuda_graphs:
+        return None
+    if device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
+                          "GPU; set train.cuda_graphs=false")
+    t0 = time.time()
+    shape = packing.fixed_shape([micro for step in steps for micro in step.micro_batches])
+    layers = cuda_graphs.capture_layers(engine.module, shape, device)
+    totals["cuda_graphs_s"] = time.time() - t0
+    log.info("captured CUDA graphs of %d layers for micro-batches of %d positions and up to %d rows in %.1fs",
+             layers, shape[0], shape[1] - 1, totals["cuda_graphs_s"])
+    return shape
 
 
 def check_gradient(ctx: StageContext, engine, record: dict) -> None:

@@ -23,16 +23,24 @@ import torch
 ATTENTION = "syncrl_packed"
 
 
-def pack(micro: list[dict | None], device) -> dict:
+def pack(micro: list[dict | None], device, shape: tuple[int, int] | None = None) -> dict:
     """The rows of `micro` (None: a padding row, skipped) as one sequence, with the same fields as
     batches.collate over [1, T] (T the rows' summed lengths), the per-token advantages, and the row
-    offsets the attention needs (cu_seq_lens, max_length)."""
+    offsets the attention needs (cu_seq_lens, max_length).
+
+    With shape (positions, segments) every batch has the same tensor shapes, as a captured CUDA
+    graph needs (train.cuda_graphs): T is `positions`, the rows followed by one masked padding
+    segment, and cu_seq_lens has segments + 1 entries (empty segments at the end); max_length is
+    `positions`, which bounds every segment, the padding's included."""
     real = [r for r in micro if r is not None]
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in real] or [[0, 0]]  # an empty batch: one masked row
     total = sum(len(s) for s in seqs)
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
+    lengths = [len(s) for s in seqs] if real else []
+    if shape is not None:
+        seqs, offsets, total = _fill(seqs, offsets, total, *shape)
     # Built on the host as two tensors (token ids and positions; loss mask, old log-probs and
     # advantages), each sent in one copy: a copy from ordinary host memory makes the host wait for
     # the GPU to finish what is queued, which five copies per micro-batch did.
@@ -53,10 +61,22 @@ def pack(micro: list[dict | None], device) -> dict:
     ints, floats, cu = (to_device(x, device) for x in (ints, floats, cu))
     out = dict(input_ids=ints[0:1], position_ids=ints[1:2], mask=floats[0:1], old_logp=floats[1:2],
                advantages=floats[2:3], cu_seq_lens=cu)
-    out["max_length"] = max(len(s) for s in seqs)
-    out["lengths"] = [len(s) for s in seqs] if real else []
+    out["max_length"] = total if shape is not None else max(len(s) for s in seqs)
+    out["lengths"] = lengths
     out["tokens"] = sum(len(r["completion_ids"]) for r in real)
     return out
+
+
+def _fill(seqs: list, offsets: list, total: int, positions: int, segments: int):
+    """The sequences, offsets and length of a batch filled out to `positions` and `segments`: a
+    padding segment of token 0 (outside the loss mask; no row attends to it), then empty segments."""
+    if total > positions or len(seqs) + 1 > segments:
+        raise ValueError(f"a micro-batch of {len(seqs)} rows and {total} positions does not fit the fixed shape "
+                         f"of {segments - 1} rows and {positions} positions it was given")
+    pad = positions - total
+    seqs = seqs + [[0] * pad]
+    offsets = offsets + [positions] * (segments - len(offsets) + 1)
+    return seqs, offsets, positions
 
 
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -139,3 +159,15 @@ def _varlen_attn():
         return varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu, cu, max_len, max_len, **causal)
 
     return call
+
+
+def fixed_shape(micro_batches: list[list[dict | None]], multiple: int = 64) -> tuple[int, int]:
+    """The (positions, segments) that every one of `micro_batches` fits packed (pack's `shape`): the
+    most positions of any, rounded up to `multiple`, and a segment per row of the fullest plus one
+    for the padding."""
+    totals, rows = [2], [1]  # an empty micro-batch packs as one masked row of 2 tokens
+    for micro in micro_batches:
+        real = [r for r in micro if r is not None]
+        totals.append(sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real))
+        rows.append(len(real))
+    return -(-max(totals) // multiple) * multiple, max(rows) + 1

@@ -212,6 +212,12 @@ class TrainConfig:
     # recompile: it pays off for long train stages); "aot_eager" traces without generating code
     # (checks that a model compiles, cheaply); "eager" does not compile.
     compile: str = "eager"
+    # Replay each decoder layer's forward and backward as a CUDA graph (stages/rl/cuda_graphs.py): one
+    # launch per layer and pass instead of dozens of kernels, for an update bound by the host's
+    # dispatch (a small model, short micro-batches). Each train process captures them once, at the
+    # largest packed micro-batch of its iteration, to which every micro-batch is then padded. Needs
+    # GPUs, train.remove_padding, train.compile: eager, no gradient checkpointing and ZeRO stage 0-2.
+    cuda_graphs: bool = False
     # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
     # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.
     checkpoint_mmap: bool = True
@@ -235,6 +241,12 @@ class TrainConfig:
         if self.max_tokens_per_micro_batch < 0:
             raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
                               "0 keeps fixed micro-batches of train.micro_batch_size rows)")
+        if self.cuda_graphs and not self.remove_padding:
+            raise ConfigError("train.cuda_graphs needs packed micro-batches (one fixed shape to capture): set "
+                              "train.remove_padding=true, or train.cuda_graphs=false")
+        if self.cuda_graphs and self.compile != "eager":
+            raise ConfigError(f"train.cuda_graphs captures the eager layers; train.compile is {self.compile}: set "
+                              "train.compile=eager, or train.cuda_graphs=false")
         _positive("train.epochs", self.epochs)
         _positive("train.timeout_s", self.timeout_s)
         _choice("train.backend", self.backend, ("auto", "nccl", "gloo"))

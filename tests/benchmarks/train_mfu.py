@@ -15,8 +15,9 @@ AdamW instead of the fused one that configs/ds_zero2_gpu.json asks for with `"fu
 packed (each micro-batch's rows as one sequence, train.remove_padding), serial and scattered
 (ZeRO's overlap_comm and contiguous_gradients off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
-0-2, stages/rl/modeling.compile_layers) and nocheck (bf16.check_grad_overflow off: no per-parameter
-inf/NaN pass in the optimizer step).
+0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
+inf/NaN pass in the optimizer step) and graphs (each decoder layer's forward and backward replayed
+as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -49,16 +50,20 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
-         "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "name": text}
+         "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "graphs": False,
+         "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck"):
+        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck",
+                      "graphs"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
+    if v["graphs"] and not v["packed"]:
+        raise SystemExit(f"{text}: graphs captures packed micro-batches; add :packed")
     return v
 
 
@@ -147,7 +152,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import flops, packing
+    from stages.rl import cuda_graphs, flops, packing
     from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -204,8 +209,19 @@ def main() -> int:
         train_cfg = SimpleNamespace(clip_eps=0.2, kl_coef=0.05 if v["kl"] else 0.0)
         rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
                               v["micro"], args.vary)
-        batch_of = packing.pack if v["packed"] else collate
-        batches = [batch_of(rows[i:i + v["micro"]], device) for i in range(0, len(rows), v["micro"])]
+        micros = [rows[i:i + v["micro"]] for i in range(0, len(rows), v["micro"])]
+        shape = None
+        if v["graphs"]:
+            t_capture = time.perf_counter()
+            shape = packing.fixed_shape(micros)
+            cuda_graphs.capture_layers(engine.module, shape, device)
+            if rank == 0:
+                print(f"{v['name']}: captured at {shape[0]} positions, {shape[1] - 1} rows in "
+                      f"{time.perf_counter() - t_capture:.1f} s", flush=True)
+        if v["packed"]:
+            batches = [packing.pack(m, device, shape) for m in micros]
+        else:
+            batches = [collate(m, device) for m in micros]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         engine.train()

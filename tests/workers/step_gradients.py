@@ -4,8 +4,9 @@ Run as `python -m tests.workers.step_gradients MODEL_DIR OUT_FILE key=value ...`
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Builds train's real DeepSpeed engine (stages.train's
 config and optimizer-step plan, gloo on CPU) over a fixed synthetic train set, runs the first
 optimizer step's micro-batches (right-padded, or packed with train.remove_padding) through
-stages.train.micro_step, and rank 0 saves every parameter's
-full fp32 gradient (deepspeed.utils.safe_get_full_grad) as it stands at the step's boundary.
+stages.train.micro_step, and rank 0 saves every parameter's full fp32 gradient
+(deepspeed.utils.safe_get_full_grad) as it stands at the step's boundary, then takes the step and
+saves the names of the parameters whose storage it moved.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> int:
     batch_of = packing.pack if cfg.train.remove_padding else collate
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(ctx))
+    storage = {name: p.data_ptr() for name, p in engine.module.named_parameters()}
     step = optimizer_steps(train_rows(), ctx)[0]
     for i, micro in enumerate(step.micro_batches):
         if step.normalizer is not None:
@@ -62,9 +64,12 @@ def main() -> int:
         if i < len(step.micro_batches) - 1:
             engine.step()  # not a boundary: accumulates only
     grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    engine.step()
+    # A captured CUDA graph reads each parameter where it was at the capture (train.cuda_graphs).
+    moved = [name for name, p in engine.module.named_parameters() if p.data_ptr() != storage[name]]
     if rank == 0:
         torch.save({"grads": grads, "micro_batches": [len(m) for m in step.micro_batches],
-                    "steps": len(optimizer_steps(train_rows(), ctx))}, out)
+                    "steps": len(optimizer_steps(train_rows(), ctx)), "moved": moved}, out)
     tdist.barrier()
     return 0
 

@@ -1,0 +1,126 @@
+"""CUDA graphs of the policy's decoder layers for train's update (train.cuda_graphs).
+
+A small model's update is bound by the host: on 1 H200 a step of 32 packed rows of the 0.48B
+small-llama launched ~6.8k kernels, and the GPU waited for them (docs/benchmarks.md). Each layer's
+forward and backward captured as a CUDA graph replays as one launch. A graph replays fixed tensor
+shapes, so every micro-batch is packed to one (positions, segments) shape (packing.pack's `shape`).
+
+The module tree, the parameters and their gradients' path are untouched: the graphs read the
+parameters where DeepSpeed keeps them (its optimizer step writes the same storage in place), and
+each layer's weight gradients leave the graph as copies, so that DeepSpeed's gradient hooks and its
+accumulation over micro-batches see ordinary tensors, not the graph's buffers that the next replay
+overwrites. A forward of any other shape, or without gradients, runs the layer as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("syncrl.cuda_graphs")
+
+
+def capture_layers(model, shape: tuple[int, int], device) -> int:
+    """Capture a forward and a backward graph for each decoder layer of `model` (an HF causal LM, its
+    packed attention on: packing.use_packed_attention) at `shape` (positions, segments), and make the
+    layers replay them; returns how many layers. The graphs share one memory pool and must run in the
+    order a training step runs them: layers first to last, then backward last to first."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device; this rank runs on {device}")
+    blocks = decoder_layers(model)
+    positions, segments = shape
+    samples = _layer_inputs(model, blocks[0], positions, segments, device)
+    calls, args = [], []
+    for block in blocks:
+        params = tuple(block.parameters())
+        calls.append(_layer_call(block.forward, positions))
+        hidden, cos, sin, cu = (x.detach().clone() for x in samples)
+        args.append((hidden.requires_grad_(), cos, sin, cu) + params)
+    graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args))
+    for block, replay, call_args in zip(blocks, graphed, args):
+        block.forward = _replaying_forward(block.forward, replay, call_args[0].shape, call_args[3].shape,
+                                           positions, call_args[4:])
+    return len(blocks)
+
+
+def release_layers(model) -> None:
+    """The layers run eagerly again, and the graphs and their memory pool are freed (once nothing
+    else holds them)."""
+    for block in decoder_layers(model):
+        block.__dict__.pop("forward", None)
+
+
+def decoder_layers(model) -> list:
+    """The model's repeated blocks in the order its forward runs them (the classes _no_split_modules
+    names, as modeling.compile_layers finds them)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no repeated block (_no_split_modules is {sorted(names)}): "
+                         "train.cuda_graphs needs one; set train.cuda_graphs=false")
+    return blocks
+
+
+def _layer_inputs(model, first_block, positions: int, segments: int, device) -> tuple:
+    """A real (hidden states, cos, sin, row offsets) of `shape` as the model hands them to its first
+    layer, from one forward without gradients: their dtypes and shapes are whatever this model's
+    embedding and rotary embedding make."""
+    seen = {}
+
+    def record(module, args, kwargs):
+        cos, sin = kwargs["position_embeddings"]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen.update(hidden=hidden, cos=cos, sin=sin, cu=kwargs["cu_seq_lens_q"])
+        raise _Recorded
+
+    ids = torch.zeros(1, positions, dtype=torch.long, device=device)
+    cu = torch.tensor([0] + [positions] * segments, dtype=torch.int32, device=device)
+    handle = first_block.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(positions, device=device)[None], cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=positions, max_length_k=positions, use_cache=False)
+    except _Recorded:
+        pass
+    finally:
+        handle.remove()
+    return seen["hidden"], seen["cos"], seen["sin"], seen["cu"]
+
+
+class _Recorded(Exception):
+    """Stops the sampling forward at the first layer: nothing past it is needed."""
+
+
+def _layer_call(forward, positions: int):
+    """The layer as a function of tensors only (what a graph captures); the parameters come last,
+    so that the capture takes gradients with respect to them."""
+    def call(hidden, cos, sin, cu, *params):
+        return forward(hidden, attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu,
+                       cu_seq_lens_k=cu, max_length_q=positions, max_length_k=positions, use_cache=False)
+    return call
+
+
+class _CopiedGradients(torch.autograd.Function):
+    """The parameters unchanged going forward; their gradients copied going backward (out of the
+    graph's buffers, which the layer's next replay overwrites)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(None if g is None else g.clone() for g in grads)
+
+
+def _replaying_forward(eager, replay, hidden_shape, cu_shape, positions: int, params: tuple):
+    def forward(hidden_states, *args, position_embeddings=None, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        if (torch.is_grad_enabled() and cu is not None and position_embeddings is not None
+                and kwargs.get("max_length_q") == positions and hidden_states.shape == hidden_shape
+                and cu.shape == cu_shape and not args):
+            cos, sin = position_embeddings
+            return replay(hidden_states, cos, sin, cu, *_CopiedGradients.apply(*params))
+        return eager(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+    return forward
