@@ -445,11 +445,14 @@ def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -
         raise ConfigError(f"train.cuda_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
                           "GPU; set train.cuda_graphs=false")
     t0 = time.time()
-    shape = packing.fixed_shape([micro for step in steps for micro in step.micro_batches])
+    micro_batches = [micro for step in steps for micro in step.micro_batches]
+    shape = packing.fixed_shape(micro_batches)
     layers = cuda_graphs.capture_layers(engine.module, shape, device)
     totals["cuda_graphs_s"] = time.time() - t0
-    log.info("captured CUDA graphs of %d layers for micro-batches of %d positions and up to %d rows in %.1fs",
-             layers, shape[0], shape[1] - 1, totals["cuda_graphs_s"])
+    real = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for micro in micro_batches for r in micro if r)
+    log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions and up to %d rows "
+             "(%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape[0],
+             shape[1] - 1, 100 * (1 - real / (shape[0] * max(1, len(micro_batches)))))
     return shape
 
 

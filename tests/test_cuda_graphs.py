@@ -146,3 +146,15 @@ def test_settings_that_cannot_go_with_graphs_are_refused_with_the_fix():
     assert "uses ZeRO stage 3, which gathers each layer's weights" in problems
     assert "model.gradient_checkpointing" in problems and "set one of them to false" in problems
     assert check(load_config("configs/local_tiny.yaml", ["train.cuda_graphs=true"]), "local") == []
+
+
+def test_train_on_a_rank_without_a_gpu_names_the_rank_and_the_fix():
+    from types import SimpleNamespace
+
+    from stages.train import graph_layers
+
+    ctx = SimpleNamespace(cfg=load_config("configs/local_tiny.yaml", ["train.cuda_graphs=true"]), rank=1)
+    with pytest.raises(ConfigError, match="rank 1 runs on cpu: CUDA graphs need a GPU; set train.cuda_graphs=false"):
+        graph_layers(ctx, None, [], torch.device("cpu"), {})
+    ctx.cfg.train.cuda_graphs = False
+    assert graph_layers(ctx, None, [], torch.device("cpu"), {}) is None
