@@ -16,8 +16,10 @@ packed (each micro-batch's rows as one sequence, train.remove_padding), serial a
 (ZeRO's overlap_comm and contiguous_gradients off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
-inf/NaN pass in the optimizer step) and graphs (each decoder layer's forward and backward replayed
-as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed).
+inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
+as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed)
+and nonorm (ZeRO's compute_grad_norm off, no clipping: what DeepSpeed's per-parameter gradient norm
+costs the optimizer step; a bound, not a setting train offers).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -51,14 +53,14 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "graphs": False,
-         "name": text}
+         "nonorm": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck",
-                      "graphs"):
+                      "graphs", "nonorm"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -180,6 +182,9 @@ def main() -> int:
             ds["zero_optimization"]["contiguous_gradients"] = False
         if v["nocheck"]:
             ds.setdefault("bf16", {})["check_grad_overflow"] = False
+        if v["nonorm"]:
+            ds["zero_optimization"]["compute_grad_norm"] = False
+            ds["gradient_clipping"] = 0.0
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -210,16 +215,16 @@ def main() -> int:
         rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
                               v["micro"], args.vary)
         micros = [rows[i:i + v["micro"]] for i in range(0, len(rows), v["micro"])]
-        shape = None
+        fixed = None
         if v["graphs"]:
             t_capture = time.perf_counter()
-            shape = packing.fixed_shape(micros)
-            cuda_graphs.capture_layers(engine.module, shape, device)
+            fixed = packing.fixed_shape(micros)
+            cuda_graphs.capture_layers(engine.module, fixed, device)
             if rank == 0:
-                print(f"{v['name']}: captured at {shape[0]} positions, {shape[1] - 1} rows in "
+                print(f"{v['name']}: captured at {fixed[0]} positions, {fixed[1] - 1} rows in "
                       f"{time.perf_counter() - t_capture:.1f} s", flush=True)
         if v["packed"]:
-            batches = [packing.pack(m, device, shape) for m in micros]
+            batches = [packing.pack(m, device, fixed) for m in micros]
         else:
             batches = [collate(m, device) for m in micros]
         if device.type == "cuda":
@@ -282,16 +287,20 @@ def main() -> int:
         r = {"variant": v["name"], "seconds_per_step": seconds / args.steps, "first_step_s": first_s, "tokens_per_s": positions / seconds,
              "mfu": model_flops / (seconds * world * peak) if peak else None,
              "mfu_6n": six_n / (seconds * world * peak) if peak else None,
-             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+             "grad_norm": engine.get_global_grad_norm()}  # the last step's; None where it is not computed
+        if r["grad_norm"] is not None:
+            r["grad_norm"] = float(r["grad_norm"])
         if args.split:
             r.update({k: val / args.steps for k, val in split.items()})
         results.append(r)
         if rank == 0:
             mfu = f"MFU {r['mfu']:6.1%} (6N only {r['mfu_6n']:6.1%})" if peak else "MFU n/a (no GPU peak known)"
             mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
+            norm = "not computed" if r["grad_norm"] is None else f"{r['grad_norm']:.3g}"
             print(f"{v['name']:<18} {r['seconds_per_step']:7.3f} s/step (first {first_s:.1f} s) "
                   f"{r['tokens_per_s']:10.0f} tok/s "
-                  f"(all {world} ranks)  {mfu}{mem}", flush=True)
+                  f"(all {world} ranks)  {mfu}{mem}, grad norm {norm}", flush=True)
             if args.split:
                 print(f"{'':<18} of which forward+backward {r['backward_s'] * 1e3:.1f} ms, optimizer step "
                       f"{r['step_s'] * 1e3:.1f} ms", flush=True)
