@@ -388,7 +388,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     totals = {"tokens": 0, "positions": 0, "flops": 0.0}
     steps = optimizer_steps(rows, ctx)
     engine.train()
-    shape = graph_layers(ctx, engine, steps, device, totals)
+    fixed = graph_layers(ctx, engine, steps, device, totals)
     bar = Progress(sum(len(s.micro_batches) for s in steps), f"train iteration {ctx.iteration}: micro-batches",
                    ctx.rank)
     passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
@@ -400,7 +400,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
             t0 = time.perf_counter()
-            batch = packing.pack(micro, device, shape) if t.remove_padding else collate(micro, device)
+            batch = packing.pack(micro, device, fixed) if t.remove_padding else collate(micro, device)
             if step.normalizer is not None:
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
@@ -430,7 +430,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         host["step_records_s"] += time.perf_counter() - t0
         check_gradient(ctx, engine, history[-1])
     bar.close()
-    if shape is not None:
+    if fixed is not None:
         cuda_graphs.release_layers(engine.module)  # their memory, for the checkpoint's copy
     totals["host"] = host
     return history, totals
