@@ -57,7 +57,7 @@ def test_a_layer_called_as_the_capture_calls_it_gives_the_models_own_output(mode
     blocks = cuda_graphs.decoder_layers(model)
     assert len(blocks) == 3
     hidden, cos, sin, cu = cuda_graphs._layer_inputs(model, blocks[0], *shape, "cpu")
-    assert hidden.shape == (1, shape[0], 64) and cu.tolist() == [0] + [shape[0]] * shape[1]
+    assert hidden.shape == (1, shape[0], 64) and cu.tolist() == [*range(shape[1]), shape[0]]
     # The model's layers on a real batch, then each called as the capture calls it, on the same inputs.
     for block, (args, kwargs, output) in zip(blocks, layer_io(model, batch)):
         cos, sin = kwargs["position_embeddings"]

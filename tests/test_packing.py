@@ -35,22 +35,24 @@ def test_rows_are_laid_end_to_end_with_their_own_positions_and_loss_spans():
     assert empty["mask"].sum() == 0 and empty["tokens"] == 0 and empty["lengths"] == []
 
 
-def test_a_fixed_shape_pads_with_one_masked_segment_then_empty_ones():
+def test_a_fixed_shape_pads_with_masked_segments_of_at_least_one_token():
     rows = [{"prompt_ids": [5, 6], "completion_ids": [7, 8, 9], "logprobs": [-1.0, -2.0, -3.0], "advantage": 0.5},
             {"prompt_ids": [10], "completion_ids": [11], "logprobs": [-4.0], "advantage": -1.0}]
-    assert packing.fixed_shape([rows, rows[:1], [None]], multiple=4) == (8, 3)
+    # The fullest has 2 rows (3 segments), the longest 7 positions: 7 + 3, rounded up to 4.
+    assert packing.fixed_shape([rows, rows[:1], [None]], multiple=4) == (12, 3)
     b = packing.pack(rows, torch.device("cpu"), (10, 5))
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0, 0, 0]]
-    assert b["cu_seq_lens"].tolist() == [0, 5, 7, 10, 10, 10] and b["max_length"] == 10
+    # Three padding segments: one token, one token, the rest (no zero-length sequence for the kernel).
+    assert b["cu_seq_lens"].tolist() == [0, 5, 7, 8, 9, 10] and b["max_length"] == 10
     assert b["mask"].tolist() == [[0, 1, 1, 1, 0, 1, 0, 0, 0]]
     # The figures count the rows, not the padding.
     assert b["tokens"] == 4 and b["lengths"] == [5, 2]
-    full = packing.pack(rows, torch.device("cpu"), (7, 3))  # no room left: the padding segment is empty
-    assert full["cu_seq_lens"].tolist() == [0, 5, 7, 7] and full["input_ids"].shape == (1, 7)
+    tight = packing.pack(rows, torch.device("cpu"), (8, 3))  # room for the one padding segment only
+    assert tight["cu_seq_lens"].tolist() == [0, 5, 7, 8] and tight["input_ids"].shape == (1, 8)
     empty = packing.pack([None], torch.device("cpu"), (8, 3))
-    assert empty["input_ids"].shape == (1, 8) and empty["mask"].sum() == 0 and empty["lengths"] == []
-    with pytest.raises(ValueError, match="2 rows and 7 positions does not fit .* 2 rows and 6 positions"):
-        packing.pack(rows, torch.device("cpu"), (6, 3))
+    assert empty["cu_seq_lens"].tolist() == [0, 2, 3, 8] and empty["mask"].sum() == 0 and empty["lengths"] == []
+    with pytest.raises(ValueError, match="2 rows and 7 positions does not fit .* 2 rows and 7 positions"):
+        packing.pack(rows, torch.device("cpu"), (7, 3))
     with pytest.raises(ValueError, match="does not fit .* 1 rows"):
         packing.pack(rows, torch.device("cpu"), (10, 2))
 
@@ -98,8 +100,7 @@ def test_packed_rows_give_the_padded_rows_log_probs_loss_and_gradient(gqa_model)
 
 @pytest.mark.slow
 def test_rows_packed_to_a_fixed_shape_give_the_same_loss_and_gradient(gqa_model):
-    # What train.cuda_graphs runs: the rows, a padding segment and empty segments (each empty one an
-    # empty attention call on CPU, a zero-length sequence for the GPU's variable-length kernel).
+    # What train.cuda_graphs runs: the rows, then padding segments, one token each but the last.
     rows = train_rows(6, seed=5)
     want_logp, want_loss, want_grads = loss_and_grads(gqa_model, packing.pack(rows, torch.device("cpu")))
     batch = packing.pack(rows, torch.device("cpu"), (packing.fixed_shape([rows])[0] + 64, 10))

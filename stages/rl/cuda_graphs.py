@@ -75,7 +75,7 @@ def _layer_inputs(model, first_block, positions: int, segments: int, device) -> 
         raise _Recorded
 
     ids = torch.zeros(1, positions, dtype=torch.long, device=device)
-    cu = torch.tensor([0] + [positions] * segments, dtype=torch.int32, device=device)
+    cu = torch.tensor(list(range(segments)) + [positions], dtype=torch.int32, device=device)  # no empty segment
     handle = first_block.register_forward_pre_hook(record, with_kwargs=True)
     try:
         with torch.no_grad():

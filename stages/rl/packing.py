@@ -29,9 +29,9 @@ def pack(micro: list[dict | None], device, shape: tuple[int, int] | None = None)
     offsets the attention needs (cu_seq_lens, max_length).
 
     With shape (positions, segments) every batch has the same tensor shapes, as a captured CUDA
-    graph needs (train.cuda_graphs): T is `positions`, the rows followed by one masked padding
-    segment, and cu_seq_lens has segments + 1 entries (empty segments at the end); max_length is
-    `positions`, which bounds every segment, the padding's included."""
+    graph needs (train.cuda_graphs): T is `positions`, the rows followed by masked padding segments
+    of at least one token each (no zero-length sequence for the attention kernel), and cu_seq_lens
+    has segments + 1 entries; max_length is `positions`, which bounds every segment."""
     real = [r for r in micro if r is not None]
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in real] or [[0, 0]]  # an empty batch: one masked row
     total = sum(len(s) for s in seqs)
@@ -68,15 +68,18 @@ def pack(micro: list[dict | None], device, shape: tuple[int, int] | None = None)
 
 
 def _fill(seqs: list, offsets: list, total: int, positions: int, segments: int):
-    """The sequences, offsets and length of a batch filled out to `positions` and `segments`: a
-    padding segment of token 0 (outside the loss mask; no row attends to it), then empty segments."""
-    if total > positions or len(seqs) + 1 > segments:
+    """The sequences, offsets and length of a batch filled out to `positions` and `segments` with
+    padding segments of token 0 (outside the loss mask; no row attends to them): one per segment
+    left, one token each but the last, which takes the rest."""
+    missing = segments - len(seqs)
+    if missing < 1 or total + missing > positions:
         raise ValueError(f"a micro-batch of {len(seqs)} rows and {total} positions does not fit the fixed shape "
-                         f"of {segments - 1} rows and {positions} positions it was given")
-    pad = positions - total
-    seqs = seqs + [[0] * pad]
-    offsets = offsets + [positions] * (segments - len(offsets) + 1)
-    return seqs, offsets, positions
+                         f"of {segments - 1} rows and {positions} positions it was given (rows + 1 segments, "
+                         "and a position for each segment left)")
+    pads = [[0]] * (missing - 1) + [[0] * (positions - total - missing + 1)]
+    for pad in pads:
+        offsets = offsets + [offsets[-1] + len(pad)]
+    return seqs + pads, offsets, positions
 
 
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -162,12 +165,13 @@ def _varlen_attn():
 
 
 def fixed_shape(micro_batches: list[list[dict | None]], multiple: int = 64) -> tuple[int, int]:
-    """The (positions, segments) that every one of `micro_batches` fits packed (pack's `shape`): the
-    most positions of any, rounded up to `multiple`, and a segment per row of the fullest plus one
-    for the padding."""
+    """The (positions, segments) that every one of `micro_batches` fits packed (pack's `shape`): a
+    segment per row of the fullest plus one for padding, and the most positions of any plus a
+    position for each padding segment it may need, rounded up to `multiple`."""
     totals, rows = [2], [1]  # an empty micro-batch packs as one masked row of 2 tokens
     for micro in micro_batches:
         real = [r for r in micro if r is not None]
         totals.append(sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real))
         rows.append(len(real))
-    return -(-max(totals) // multiple) * multiple, max(rows) + 1
+    segments = max(rows) + 1
+    return -(-(max(totals) + segments) // multiple) * multiple, segments
