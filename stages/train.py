@@ -72,6 +72,7 @@ def set_up(ctx: StageContext) -> TrainRun:
         set_cpu_threads()
         rows = read_train_set(ctx)
         device = device_for(ctx.info.local_rank)
+        check_graph_device(ctx, device)
         dist.export_torch_env(ctx.info)
         dist.communication_env(ctx.attempt, t.socket_ifname)
         watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
@@ -436,14 +437,18 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     return history, totals
 
 
+def check_graph_device(ctx: StageContext, device) -> None:
+    """train.cuda_graphs needs a GPU on every rank: said before anything is loaded."""
+    if ctx.cfg.train.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
+                          "GPU; set train.cuda_graphs=false")
+
+
 def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> tuple[int, int] | None:
     """With train.cuda_graphs, capture the policy's layers as CUDA graphs at the one packed shape all
     of this rank's micro-batches fit (stages/rl/cuda_graphs.py); returns that shape (None: no graphs)."""
     if not ctx.cfg.train.cuda_graphs:
         return None
-    if device.type != "cuda":
-        raise ConfigError(f"train.cuda_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
-                          "GPU; set train.cuda_graphs=false")
     t0 = time.time()
     micro_batches = [micro for step in steps for micro in step.micro_batches]
     shape = packing.fixed_shape(micro_batches)

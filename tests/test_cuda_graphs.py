@@ -151,10 +151,11 @@ def test_settings_that_cannot_go_with_graphs_are_refused_with_the_fix():
 def test_train_on_a_rank_without_a_gpu_names_the_rank_and_the_fix():
     from types import SimpleNamespace
 
-    from stages.train import graph_layers
+    from stages.train import check_graph_device, graph_layers
 
     ctx = SimpleNamespace(cfg=load_config("configs/local_tiny.yaml", ["train.cuda_graphs=true"]), rank=1)
     with pytest.raises(ConfigError, match="rank 1 runs on cpu: CUDA graphs need a GPU; set train.cuda_graphs=false"):
-        graph_layers(ctx, None, [], torch.device("cpu"), {})
+        check_graph_device(ctx, torch.device("cpu"))
     ctx.cfg.train.cuda_graphs = False
+    check_graph_device(ctx, torch.device("cpu"))
     assert graph_layers(ctx, None, [], torch.device("cpu"), {}) is None
