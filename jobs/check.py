@@ -220,6 +220,11 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
         problems += local_checkpoint_problems(cfg, stage, path)
     if cfg.train.cuda_graphs:
         problems += cuda_graph_problems(cfg, stage, path)
+    offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    if cfg.train.grad_norm == "flat" and (stage not in (1, 2) or offload):
+        problems.append(f"train.grad_norm is flat, which takes the norm in ZeRO stage 1 or 2's step without "
+                        f"optimizer offload; {path} has stage {stage}{' with offload_optimizer' if offload else ''}: "
+                        "set train.grad_norm=deepspeed")
     problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
     return problems
 

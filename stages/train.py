@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import cuda_graphs, deferred_checkpoint, flops, packing
+from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -43,7 +43,7 @@ def main(ctx: StageContext) -> None:
     """PPO-clip update of the policy over this iteration's train set."""
     run = set_up(ctx)
     t1 = time.time()
-    history, totals = run_updates(ctx, run.engine, run.ref, run.rows, run.device, run.watchdog)
+    history, totals = run_updates(ctx, run.engine, run.ref, run.rows, run.device, run.watchdog, run.norm)
     finish(ctx, run, history, totals, time.time() - t1)
 
 
@@ -59,6 +59,7 @@ class TrainRun:
     startup_s: float
     hf_ds_config: object  # transformers holds it weakly while a ZeRO-3 model exists: kept for the stage
     ds_config: dict
+    norm: grad_norm.FlatGradNorm | None = None  # train.grad_norm: flat
 
 
 def set_up(ctx: StageContext) -> TrainRun:
@@ -105,6 +106,7 @@ def set_up(ctx: StageContext) -> TrainRun:
             optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                           model_parameters=None if optimizer else model.parameters())
+        norm = flat_grad_norm(ctx, engine)
         if t.compile != "eager":
             ref = compile_models(engine, ref, t.compile, zero_stage(ds_config))
     with phases("resume_checkpoint"):
@@ -121,7 +123,7 @@ def set_up(ctx: StageContext) -> TrainRun:
     startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, zero_stage(ds_config), ctx.world_size, len(rows))
-    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config, ds_config)
+    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config, ds_config, norm)
 
 
 def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, train_s: float) -> None:
@@ -318,7 +320,15 @@ def deepspeed_config(ctx: StageContext, warn: bool = True) -> dict:
         params = ds["optimizer"].setdefault("params", {})
         params["lr"] = t.lr
         params["weight_decay"] = t.weight_decay
+    if t.grad_norm == "flat":
+        ds = grad_norm.deepspeed_settings(ds)
     return ds
+
+
+def flat_grad_norm(ctx: StageContext, engine) -> grad_norm.FlatGradNorm | None:
+    """With train.grad_norm: flat, the norm and clipping that replace DeepSpeed's in its step."""
+    t = ctx.cfg.train
+    return grad_norm.FlatGradNorm(engine, t.max_grad_norm) if t.grad_norm == "flat" else None
 
 
 def _skip_cpu_inference_op(deepspeed) -> None:
@@ -377,7 +387,8 @@ def resume_source(ctx: StageContext, tag: str) -> Path:
     return ctx.paths.checkpoints
 
 
-def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog) -> tuple[list[dict], dict]:
+def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog,
+                norm: grad_norm.FlatGradNorm | None = None) -> tuple[list[dict], dict]:
     """All epochs of optimizer steps; returns (per-optimizer-step history, this rank's totals).
 
     Totals: loss tokens, positions (real tokens of every sequence run) and model FLOPs (flops.py).
@@ -427,7 +438,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
                     torch.cuda.synchronize(device)
                 totals["first_micro_batch_s"], first = time.time() - first, None
         t0 = time.perf_counter()
-        history.append(_step_record(engine, pending, step_tokens))
+        history.append(_step_record(engine, pending, step_tokens, norm))
         host["step_records_s"] += time.perf_counter() - t0
         check_gradient(ctx, engine, history[-1])
     bar.close()
@@ -588,15 +599,20 @@ def micro_batches_by_rank(rows: list[dict], ctx: StageContext, global_batch: int
     return out
 
 
-def _step_record(engine, pending: list[dict], tokens: int) -> dict:
-    """Means of one optimizer step's micro-batch metrics, read from the GPU in a single transfer."""
+def _step_record(engine, pending: list[dict], tokens: int, norm: grad_norm.FlatGradNorm | None = None) -> dict:
+    """Means of one optimizer step's micro-batch metrics, read from the GPU in a single transfer
+    (with the gradient norm when train.grad_norm is flat)."""
     keys = list(pending[0])
-    means = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).mean(0).tolist()
-    rec = dict(zip(keys, means))
+    rows = [torch.stack([m[k].float() for k in keys]) for m in pending]
+    values = torch.stack(rows).mean(0)
+    if norm is not None and norm.norm is not None:
+        keys, values = keys + ["grad_norm"], torch.cat([values, norm.norm.reshape(1).to(values)])
+    rec = dict(zip(keys, values.tolist()))
     rec["tokens"] = tokens
     rec["step"] = engine.global_steps
-    grad_norm = engine.get_global_grad_norm()
-    rec["grad_norm"] = float(grad_norm) if grad_norm is not None else None
+    if norm is None:
+        value = engine.get_global_grad_norm()
+        rec["grad_norm"] = float(value) if value is not None else None
     rec["lr"] = engine.get_lr()[0] if engine.get_lr() else None
     return rec
 

@@ -37,14 +37,16 @@ def test_the_train_step_benchmark_names_where_the_host_time_goes(tmp_path):
     # are among the functions it names.
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                            "tests/benchmarks/train_mfu.py", "--preset", "tiny-llama", "--seq", "64", "--steps", "2",
-                           "--warmup", "1", "--variants", "z2:m2,z2:m2:nonorm", "--model-dir", str(tmp_path / "base"),
+                           "--warmup", "1", "--variants", "z2:m2,z2:m2:nonorm,z2:m2:flatnorm", "--model-dir", str(tmp_path / "base"),
                            "--host-profile"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("s/step") == 2
-    assert proc.stderr.count("HOST PROFILE wall") == 4, proc.stderr[-3000:]
-    # nonorm: the step computes no gradient norm (DeepSpeed's per-parameter one is what it costs).
+    assert proc.stdout.count("s/step") == 3
+    assert proc.stderr.count("HOST PROFILE wall") == 6, proc.stderr[-3000:]
+    # nonorm: the step computes no gradient norm (DeepSpeed's per-parameter one is what it costs);
+    # flatnorm: train.grad_norm=flat's.
     lines = [line for line in proc.stdout.splitlines() if "s/step" in line]
     assert re.search(r"grad norm \d", lines[0]) and lines[1].endswith("grad norm not computed"), lines
+    assert re.search(r"grad norm \d", lines[2]), lines
     assert "micro_step" in proc.stderr and "engine.py" in proc.stderr and "(step)" in proc.stderr
 
 

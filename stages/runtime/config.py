@@ -218,6 +218,11 @@ class TrainConfig:
     # largest packed micro-batch of its iteration, to which every micro-batch is then padded. Needs
     # GPUs, train.remove_padding, train.compile: eager, no gradient checkpointing and ZeRO stage 0-2.
     cuda_graphs: bool = False
+    # Where the gradient norm (and its clipping at max_grad_norm) is taken: "deepspeed", one parameter
+    # at a time in DeepSpeed's step; "flat", one multi-tensor norm of the flat fp32 gradient partition
+    # the step hands its optimizer (stages/rl/grad_norm.py: the same clipping, a fraction of the
+    # launches). "flat" needs ZeRO stage 1 or 2 without optimizer offload.
+    grad_norm: str = "deepspeed"
     # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
     # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.
     checkpoint_mmap: bool = True
@@ -237,6 +242,7 @@ class TrainConfig:
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)
         _choice("train.compile", self.compile, ("eager", "inductor", "aot_eager"))
+        _choice("train.grad_norm", self.grad_norm, ("deepspeed", "flat"))
         _positive("train.gradient_accumulation_steps", self.gradient_accumulation_steps)
         if self.max_tokens_per_micro_batch < 0:
             raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "

@@ -18,6 +18,14 @@ SHAPES = {
                       num_key_value_heads=8, max_position_embeddings=8192),
 }
 
+# Not a model to scale to: small-llama's 24 layers and 219 parameters at a width of 80, every
+# operation and Python call of a train step with hardly any arithmetic (a CPU stand-in for an update
+# bound by the host's dispatch, as small-llama's is on an H200).
+HOST_BOUND = {
+    "small-llama-host": dict(hidden_size=80, intermediate_size=216, num_hidden_layers=24, num_attention_heads=20,
+                             num_key_value_heads=20, max_position_embeddings=4096),
+}
+
 # Bytes per parameter that ZeRO-3 partitions over the GPUs with mixed precision and Adam: bf16
 # weights and gradients (2 + 2), fp32 master weights and the two Adam moments (4 + 4 + 4).
 ZERO3_BYTES_PER_PARAM = 16

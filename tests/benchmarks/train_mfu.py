@@ -18,8 +18,9 @@ layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
 inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
 as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed)
-and nonorm (ZeRO's compute_grad_norm off, no clipping: what DeepSpeed's per-parameter gradient norm
-costs the optimizer step; a bound, not a setting train offers).
+nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
+a bound, not a setting train offers) and flatnorm (the norm and clipping on the flat fp32 partition
+instead of DeepSpeed's per-parameter norm: train.grad_norm=flat).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -53,14 +54,14 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "graphs": False,
-         "nonorm": False, "name": text}
+         "nonorm": False, "flatnorm": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck",
-                      "graphs", "nonorm"):
+                      "graphs", "nonorm", "flatnorm"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -93,11 +94,11 @@ def build_in_place(name: str, ds: dict, dtype: str):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from shapes import SHAPES
+    from shapes import HOST_BOUND, SHAPES
 
     from stages.rl.tiny_model import PRESETS, llama_config
 
-    shapes = {**PRESETS, **SHAPES}  # the built-in presets too: the same path, small enough for CPU
+    shapes = {**PRESETS, **SHAPES, **HOST_BOUND}  # the built-in presets too: the same path, small enough for CPU
     if name not in shapes:
         raise SystemExit(f"--shape {name!r}: choose one of {', '.join(shapes)}")
     # A ZeRO-3 variant's registration may outlive its model: a later ZeRO-2 build must not partition.
@@ -154,7 +155,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import cuda_graphs, flops, packing
+    from stages.rl import cuda_graphs, flops, grad_norm, packing
     from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -185,6 +186,8 @@ def main() -> int:
         if v["nonorm"]:
             ds["zero_optimization"]["compute_grad_norm"] = False
             ds["gradient_clipping"] = 0.0
+        if v["flatnorm"]:
+            ds = grad_norm.deepspeed_settings(ds)
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -204,6 +207,7 @@ def main() -> int:
                 if m is not None:
                     packing.use_packed_attention(m)
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+        flat_norm = grad_norm.FlatGradNorm(engine, 1.0) if v["flatnorm"] else None
         if v["compile"]:
             engine.compile()
         if v["layers"]:
@@ -288,7 +292,8 @@ def main() -> int:
              "mfu": model_flops / (seconds * world * peak) if peak else None,
              "mfu_6n": six_n / (seconds * world * peak) if peak else None,
              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-             "grad_norm": engine.get_global_grad_norm()}  # the last step's; None where it is not computed
+             # the last step's; None where it is not computed
+             "grad_norm": flat_norm.norm if flat_norm is not None else engine.get_global_grad_norm()}
         if r["grad_norm"] is not None:
             r["grad_norm"] = float(r["grad_norm"])
         if args.split:

@@ -1,0 +1,71 @@
+"""train.grad_norm: flat (stages/rl/grad_norm.py) against DeepSpeed's own norm and clipping, in
+train's real DeepSpeed engine (ZeRO 1 and 2, gloo on CPU, 1 and 2 ranks): the same gradient norms,
+and, with clipping that bites, the same weights after every step."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs.check import check
+from stages.runtime.config import ConfigError, load_config
+from tests.test_train_batching import free_port, model_dir  # noqa: F401 (model_dir is a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clipped_steps(tmp_path, model_dir, world: int, overrides: list[str], name: str) -> dict:
+    out = tmp_path / f"{name}.pt"
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.workers.clipped_steps", str(model_dir), str(out),
+                                       *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,zero", [(2, "configs/ds_zero2_cpu.json"), (1, "zero1")])
+def test_the_flat_norm_clips_as_deepspeed_does(tmp_path, model_dir, world, zero):  # noqa: F811
+    if zero == "zero1":
+        ds = tmp_path / "ds_zero1.json"
+        ds.write_text((ROOT / "configs" / "ds_zero2_cpu.json").read_text().replace('"stage": 2', '"stage": 1'))
+        zero = str(ds)
+    # The bound small: every step is clipped, each by its own factor, which Adam's update shows from
+    # the second step on (the control below: the same steps unclipped end elsewhere).
+    common = [f"train.deepspeed_config={zero}", "train.micro_batch_size=4", "train.lr=1e-2",
+              "train.max_grad_norm=0.05"]
+    want = clipped_steps(tmp_path, model_dir, world, common + ["train.grad_norm=deepspeed"], "deepspeed")
+    got = clipped_steps(tmp_path, model_dir, world, common + ["train.grad_norm=flat"], "flat")
+    assert len(got["records"]) == len(want["records"]) >= 3
+    for mine, theirs in zip(got["records"], want["records"]):
+        assert theirs["grad_norm"] > 0.05  # clipped
+        # One norm of the flat partition against a sum of per-parameter norms: float32's rounding.
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+    for name, w in want["weights"].items():
+        assert torch.allclose(got["weights"][name], w, rtol=0, atol=1e-5), name
+    if world == 2:
+        unclipped = clipped_steps(tmp_path, model_dir, world, common[:-1] + ["train.max_grad_norm=0",
+                                                                             "train.grad_norm=flat"], "unclipped")
+        assert max((unclipped["weights"][n] - w).abs().max().item() for n, w in want["weights"].items()) > 1e-3
+
+
+def test_the_flat_norm_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="train.grad_norm must be one of"):
+        load_config("configs/local_tiny.yaml", ["train.grad_norm=fast"])
+    for ds, says in (("configs/ds_zero3_cpu.json", "has stage 3"),
+                     ("configs/ds_zero2_cpuadam.json", "has stage 2 with offload_optimizer")):
+        cfg = load_config("configs/local_tiny.yaml", ["train.grad_norm=flat", f"train.deepspeed_config={ds}"])
+        problems = "\n".join(check(cfg, "local"))
+        assert says in problems and "set train.grad_norm=deepspeed" in problems, problems
+    assert check(load_config("configs/local_tiny.yaml", ["train.grad_norm=flat"]), "local") == []
