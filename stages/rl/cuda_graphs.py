@@ -37,7 +37,11 @@ def capture_layers(model, shape: tuple[int, int], device) -> int:
         calls.append(_layer_call(block.forward, positions))
         hidden, cos, sin, cu = (x.detach().clone() for x in samples)
         args.append((hidden.requires_grad_(), cos, sin, cu) + params)
-    graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args))
+    try:
+        graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args))
+    except RuntimeError as e:  # an operation that cannot be captured (a host sync, a new allocation pattern)
+        raise RuntimeError(f"train.cuda_graphs: capturing the {len(blocks)} {type(blocks[0]).__name__} layers at "
+                           f"{positions} positions failed ({e}); set train.cuda_graphs=false") from e
     for block, replay, call_args in zip(blocks, graphed, args):
         block.forward = _replaying_forward(block.forward, replay, call_args[0].shape, call_args[3].shape,
                                            positions, call_args[4:])
