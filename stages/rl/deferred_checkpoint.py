@@ -379,11 +379,13 @@ def copy_to_host(tensors: list) -> list:
         return out
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())  # the state's last writes come first
+    staged = []
     with torch.cuda.stream(stream):
         for src, dst in cuda:
             if POOL.page_locked(dst):
                 dst.copy_(src, non_blocking=True)
-    staged = [(src, dst) for src, dst in cuda if not POOL.page_locked(dst)]
+            else:
+                staged.append((src, dst))
     if staged:
         copy_staged(staged, stream)
     stream.synchronize()
