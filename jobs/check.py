@@ -220,11 +220,8 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
         problems += local_checkpoint_problems(cfg, stage, path)
     if cfg.train.cuda_graphs:
         problems += cuda_graph_problems(cfg, stage, path)
-    offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
-    if cfg.train.grad_norm == "flat" and (stage not in (1, 2) or offload):
-        problems.append(f"train.grad_norm is flat, which takes the norm in ZeRO stage 1 or 2's step without "
-                        f"optimizer offload; {path} has stage {stage}{' with offload_optimizer' if offload else ''}: "
-                        "set train.grad_norm=deepspeed")
+    if cfg.train.grad_norm == "flat":
+        problems += flat_grad_norm_problems(ds, stage, path)
     problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
     return problems
 
@@ -257,6 +254,16 @@ def cuda_graph_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[
         problems.append("train.cuda_graphs is on with model.gradient_checkpointing, which reruns each layer's forward "
                         "in its backward: set one of them to false")
     return problems
+
+
+def flat_grad_norm_problems(ds: dict, zero_stage: int, ds_path: Path) -> list[str]:
+    """train.grad_norm: flat takes the norm inside ZeRO 1-2's step, on the partition held on the device."""
+    offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    if zero_stage in (1, 2) and not offload:
+        return []
+    return [f"train.grad_norm is flat, which takes the norm in ZeRO stage 1 or 2's step without optimizer offload; "
+            f"{ds_path} has stage {zero_stage}{' with offload_optimizer' if offload else ''}: "
+            "set train.grad_norm=deepspeed"]
 
 
 def deepspeed_key_problems(ds: dict, cfg: RunConfig) -> list[str]:

@@ -465,7 +465,7 @@ def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -
     shape = packing.fixed_shape(micro_batches)
     layers = cuda_graphs.capture_layers(engine.module, shape, device)
     totals["cuda_graphs_s"] = time.time() - t0
-    real = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for micro in micro_batches for r in micro if r)
+    real = sum(_width(r) for micro in micro_batches for r in micro if r)
     log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions and up to %d rows "
              "(%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape[0],
              shape[1] - 1, 100 * (1 - real / (shape[0] * max(1, len(micro_batches)))))

@@ -14,11 +14,9 @@ overwrites. A forward of any other shape, or without gradients, runs the layer a
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger("syncrl.cuda_graphs")
+from stages.rl.modeling import repeated_blocks
 
 
 def capture_layers(model, shape: tuple[int, int], device) -> int:
@@ -56,14 +54,8 @@ def release_layers(model) -> None:
 
 
 def decoder_layers(model) -> list:
-    """The model's repeated blocks in the order its forward runs them (the classes _no_split_modules
-    names, as modeling.compile_layers finds them)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} names no repeated block (_no_split_modules is {sorted(names)}): "
-                         "train.cuda_graphs needs one; set train.cuda_graphs=false")
-    return blocks
+    """The model's decoder layers in the order its forward runs them."""
+    return repeated_blocks(model, "train.cuda_graphs", "false")
 
 
 def _layer_inputs(model, first_block, positions: int, segments: int, device) -> tuple:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+
 def deepspeed_settings(ds: dict) -> dict:
     """`ds` (a DeepSpeed config) with DeepSpeed's own gradient norm and clipping off."""
     ds = {**ds, "gradient_clipping": 0.0}

@@ -103,14 +103,22 @@ def compile_layers(model, backend: str) -> int:
     warm, docs/benchmarks.md), and the packed micro-batches' lengths, new every time, do not recompile.
     The module tree and the parameters stay as they are: DeepSpeed's gradient hooks and the
     checkpoint's names do not see the compile."""
+    blocks = repeated_blocks(model, "train.compile", "eager")
+    for block in blocks:
+        block.compile(backend=backend, dynamic=True)
+    return len(blocks)
+
+
+def repeated_blocks(model, key: str, off: str) -> list:
+    """`model`'s repeated blocks (the classes its _no_split_modules names: an HF model's decoder
+    layers) in the order its forward runs them; none is an error naming the setting `key` that needs
+    them and its value `off`."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no repeated block (_no_split_modules is {sorted(names)}): "
-                         "train.compile needs one; use train.compile=eager")
-    for block in blocks:
-        block.compile(backend=backend, dynamic=True)
-    return len(blocks)
+                         f"{key} needs one; set {key}={off}")
+    return blocks
 
 
 def preload_model_code(ctx) -> None:

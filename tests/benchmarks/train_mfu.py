@@ -183,10 +183,7 @@ def main() -> int:
             ds["zero_optimization"]["contiguous_gradients"] = False
         if v["nocheck"]:
             ds.setdefault("bf16", {})["check_grad_overflow"] = False
-        if v["nonorm"]:
-            ds["zero_optimization"]["compute_grad_norm"] = False
-            ds["gradient_clipping"] = 0.0
-        if v["flatnorm"]:
+        if v["nonorm"] or v["flatnorm"]:  # DeepSpeed's own norm and clipping off
             ds = grad_norm.deepspeed_settings(ds)
         if device.type != "cuda":
             ds.pop("bf16", None)
