@@ -16,6 +16,19 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def small_llama(layers: int):
+    """A 256-wide Llama with grouped-query attention, random weights (seed 0), bf16 on the GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl.tiny_model import llama_config
+
+    torch.manual_seed(0)
+    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    return AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
+
+
 def gpu_count() -> int:
     try:
         import torch
@@ -107,19 +120,14 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
     # train.remove_padding on CUDA runs torch's variable-length flash attention (CPU: one SDPA call
     # per row, tests/test_packing.py): bf16, grouped-query attention, rows of many lengths.
     import torch
-    from transformers import AutoModelForCausalLM
 
     from stages.rl import packing
     from stages.rl.batches import collate
-    from stages.rl.tiny_model import llama_config
     from tests.test_packing import loss_and_grads
     from tests.workers.step_gradients import train_rows
 
     assert packing._varlen_attn() is not None, "this torch has no torch.nn.attention.varlen"
-    torch.manual_seed(0)
-    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512)
-    model = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
+    model = small_llama(layers=2)
     rows = train_rows(24, seed=5)
     device = torch.device("cuda")
 
@@ -144,17 +152,12 @@ def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from stages.rl import cuda_graphs, packing
-    from stages.rl.tiny_model import llama_config
     from tests.test_packing import loss_and_grads
     from tests.workers.step_gradients import train_rows
 
-    torch.manual_seed(0)
-    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512)
-    eager = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
+    eager = small_llama(layers=3)
     packing.use_packed_attention(eager)
     graphed = copy.deepcopy(eager)
     device = torch.device("cuda")
@@ -206,18 +209,13 @@ def test_compiled_layers_take_packed_batches_of_any_length_without_recompiling()
 
     import torch
     import torch._dynamo
-    from transformers import AutoModelForCausalLM
 
     from stages.rl import packing
     from stages.rl.modeling import compile_layers
-    from stages.rl.tiny_model import llama_config
     from tests.test_packing import loss_and_grads
     from tests.workers.step_gradients import train_rows
 
-    torch.manual_seed(0)
-    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512)
-    eager = AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
+    eager = small_llama(layers=3)
     compiled = copy.deepcopy(eager)
     for m in (eager, compiled):
         packing.use_packed_attention(m)

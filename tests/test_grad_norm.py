@@ -2,9 +2,6 @@
 train's real DeepSpeed engine (ZeRO 1 and 2, gloo on CPU, 1 and 2 ranks): the same gradient norms,
 and, with clipping that bites, the same weights after every step."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,26 +9,13 @@ import torch
 
 from jobs.check import check
 from stages.runtime.config import ConfigError, load_config
-from tests.test_train_batching import free_port, model_dir  # noqa: F401 (model_dir is a fixture)
+from tests.test_train_batching import model_dir, run_workers  # noqa: F401 (model_dir is a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def clipped_steps(tmp_path, model_dir, world: int, overrides: list[str], name: str) -> dict:
-    out = tmp_path / f"{name}.pt"
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.workers.clipped_steps", str(model_dir), str(out),
-                                       *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output[-3000:]
-    return torch.load(out, weights_only=True)
+    return run_workers("tests.workers.clipped_steps", tmp_path, model_dir, world, overrides, name)
 
 
 @pytest.mark.slow

@@ -31,6 +31,11 @@ def free_port() -> int:
 
 
 def step_gradients(tmp_path, model_dir, world: int, overrides: list[str], name: str) -> dict:
+    return run_workers("tests.workers.step_gradients", tmp_path, model_dir, world, overrides, name)
+
+
+def run_workers(module: str, tmp_path, model_dir, world: int, overrides: list[str], name: str) -> dict:
+    """`python -m module MODEL_DIR OUT key=value ...` on `world` ranks (gloo on CPU); what rank 0 saved."""
     out = tmp_path / f"{name}.pt"
     port = free_port()
     procs = []
@@ -38,9 +43,8 @@ def step_gradients(tmp_path, model_dir, world: int, overrides: list[str], name: 
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.workers.step_gradients", str(model_dir), str(out),
-                                       *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, str(model_dir), str(out), *overrides], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         output, _ = p.communicate(timeout=300)
         assert p.returncode == 0, output[-3000:]

@@ -10,34 +10,20 @@ through stages.train.micro_step and engine.step, records each step as train does
 
 from __future__ import annotations
 
-import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
 
 def main() -> int:
     model_dir, out, *overrides = sys.argv[1:]
-    import deepspeed
     import torch.distributed as tdist
 
     from stages.rl import packing
-    from stages.rl.modeling import load_policy
-    from stages.runtime.config import load_config
-    from stages.train import _step_record, deepspeed_config, flat_grad_norm, micro_step, optimizer_steps
-    from tests.workers.step_gradients import train_rows
+    from stages.train import _step_record, flat_grad_norm, micro_step, optimizer_steps
+    from tests.workers.step_gradients import train_engine, train_rows
 
-    torch.manual_seed(0)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    cfg = load_config("configs/local_tiny.yaml", [f"model.path={model_dir}", *overrides])
-    ctx = SimpleNamespace(cfg=cfg, iteration=0, rank=rank, world_size=world)
-    model = load_policy(model_dir, "float32")
-    packing.use_packed_attention(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(ctx))
+    cfg, ctx, engine = train_engine(model_dir, overrides)
     norm = flat_grad_norm(ctx, engine)
     records = []
     for step in optimizer_steps(train_rows(24, seed=3), ctx):
@@ -47,7 +33,7 @@ def main() -> int:
             pending.append({"loss": loss.detach(), **metrics})
             engine.step()
         records.append(_step_record(engine, pending, 0, norm))
-    if rank == 0:
+    if ctx.rank == 0:
         weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
         torch.save({"weights": weights, "records": records}, out)
     tdist.barrier()

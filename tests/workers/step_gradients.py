@@ -31,17 +31,16 @@ def train_rows(n: int = 12, seed: int = 0) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    model_dir, out, *overrides = sys.argv[1:]
+def train_engine(model_dir: str, overrides: list[str]):
+    """This rank's process group (gloo, from RANK and WORLD_SIZE) and train's DeepSpeed engine over the
+    model in `model_dir`, with local_tiny.yaml and `overrides`; returns (run config, stage context, engine)."""
     import deepspeed
     import torch.distributed as tdist
-    from deepspeed.utils import safe_get_full_grad
 
-    from stages.runtime.config import load_config
-    from stages.rl.modeling import load_policy
-    from stages.train import deepspeed_config, micro_step, optimizer_steps
     from stages.rl import packing
-    from stages.rl.batches import collate
+    from stages.rl.modeling import load_policy
+    from stages.runtime.config import load_config
+    from stages.train import deepspeed_config
 
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,9 +51,22 @@ def main() -> int:
     model = load_policy(model_dir, "float32")
     if cfg.train.remove_padding:
         packing.use_packed_attention(model)
-    batch_of = packing.pack if cfg.train.remove_padding else collate
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(ctx))
+    return cfg, ctx, engine
+
+
+def main() -> int:
+    model_dir, out, *overrides = sys.argv[1:]
+    import torch.distributed as tdist
+    from deepspeed.utils import safe_get_full_grad
+
+    from stages.train import micro_step, optimizer_steps
+    from stages.rl import packing
+    from stages.rl.batches import collate
+
+    cfg, ctx, engine = train_engine(model_dir, overrides)
+    batch_of = packing.pack if cfg.train.remove_padding else collate
     storage = {name: p.data_ptr() for name, p in engine.module.named_parameters()}
     step = optimizer_steps(train_rows(), ctx)[0]
     for i, micro in enumerate(step.micro_batches):
@@ -67,7 +79,7 @@ def main() -> int:
     engine.step()
     # A captured CUDA graph reads each parameter where it was at the capture (train.cuda_graphs).
     moved = [name for name, p in engine.module.named_parameters() if p.data_ptr() != storage[name]]
-    if rank == 0:
+    if ctx.rank == 0:
         torch.save({"grads": grads, "micro_batches": [len(m) for m in step.micro_batches],
                     "steps": len(optimizer_steps(train_rows(), ctx)), "moved": moved}, out)
     tdist.barrier()
