@@ -58,13 +58,22 @@ def test_a_layer_called_as_the_capture_calls_it_gives_the_models_own_output(mode
     assert len(blocks) == 3
     hidden, cos, sin, cu = cuda_graphs._layer_inputs(model, blocks[0], *shape, "cpu")
     assert hidden.shape == (1, shape[0], 64) and cu.tolist() == [*range(shape[1]), shape[0]]
-    # The model's layers on a real batch, then each called as the capture calls it, on the same inputs.
+    # The model's layers on a real batch, then each called as the capture calls it, on the same
+    # inputs, with aliases of its parameters as the capture passes them: the layer's own output,
+    # and its weight gradients land on the aliases, not on the parameters (whose accumulators
+    # DeepSpeed hooks).
     for block, (args, kwargs, output) in zip(blocks, layer_io(model, batch)):
         cos, sin = kwargs["position_embeddings"]
-        call = cuda_graphs._layer_call(block.forward, shape[0])
-        with torch.no_grad():
-            got = call(args[0], cos, sin, kwargs["cu_seq_lens_q"], *block.parameters())
+        names, params = zip(*block.named_parameters())
+        call = cuda_graphs._layer_call(block, names, shape[0])
+        aliases = [p.detach().requires_grad_() for p in params]
+        got = call(args[0], cos, sin, kwargs["cu_seq_lens_q"], *aliases)
         assert torch.allclose(got, output, atol=1e-6)
+        got.square().sum().backward()
+        block(args[0], **kwargs).square().sum().backward()
+        for name, p, a in zip(names, params, aliases):
+            assert a.grad is not None and torch.allclose(a.grad, p.grad, atol=1e-5), name
+            p.grad = None
 
 
 def test_a_layer_replays_only_its_captured_shape_with_gradients_on(model):
@@ -81,7 +90,8 @@ def test_a_layer_replays_only_its_captured_shape_with_gradients_on(model):
     def replay(hidden, cos, sin, cu, *views):
         # A stand-in for the captured graph (no GPU here): the layer's own function, recorded.
         replays.append(views)
-        return cuda_graphs._layer_call(eager, shape[0])(hidden, cos, sin, cu)
+        return eager(hidden, attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu,
+                     cu_seq_lens_k=cu, max_length_q=shape[0], max_length_k=shape[0], use_cache=False)
 
     eager = block.forward
     block.forward = cuda_graphs._replaying_forward(eager, replay, args[0].shape, kwargs["cu_seq_lens_q"].shape,

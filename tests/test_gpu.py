@@ -163,11 +163,20 @@ def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights
     device = torch.device("cuda")
     micro_batches = [train_rows(24, seed=s)[:n] for s, n in ((1, 24), (2, 17), (3, 24), (4, 1))]
     shape = packing.fixed_shape(micro_batches)
+    # As DeepSpeed's ZeRO 1-2 do: each parameter's gradient accumulator kept alive, with a hook
+    # after accumulation. The capture must not reach them; every step must.
+    params = list(graphed.parameters())
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+    hooked = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: hooked.append(p))
     assert cuda_graphs.capture_layers(graphed, shape, device) == 3
+    assert hooked == [] and len(accumulators) == len(params)
     for step, rows in enumerate(micro_batches):
         batch = packing.pack(rows, device, shape)
         want_logp, want_loss, want_grads = loss_and_grads(eager, batch)
         logp, loss, grads = loss_and_grads(graphed, batch)
+        assert len(hooked) == len(params) * (step + 1), step
         assert torch.equal(logp, want_logp) and torch.equal(loss, want_loss), step
         for name, g in want_grads.items():
             assert torch.equal(grads[name], g), (step, name)

@@ -31,10 +31,14 @@ def capture_layers(model, shape: tuple[int, int], device) -> int:
     samples = _layer_inputs(model, blocks[0], positions, segments, device)
     calls, args = [], []
     for block in blocks:
-        params = tuple(block.parameters())
-        calls.append(_layer_call(block.forward, positions))
+        names, params = zip(*block.named_parameters())
+        calls.append(_layer_call(block, names, positions))
         hidden, cos, sin, cu = (x.detach().clone() for x in samples)
-        args.append((hidden.requires_grad_(), cos, sin, cu) + params)
+        # Aliases of the parameters (same storage, so a replay reads the weights in place), as new
+        # leaves: the capture's backward must not reach the parameters' own gradient accumulators,
+        # which DeepSpeed's ZeRO hooks keep alive on the default stream; the capture stream
+        # cannot make that stream wait on it.
+        args.append((hidden.requires_grad_(), cos, sin, cu) + tuple(p.detach().requires_grad_() for p in params))
     try:
         graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args))
     except RuntimeError as e:  # an operation that cannot be captured (a host sync, a new allocation pattern)
@@ -42,7 +46,7 @@ def capture_layers(model, shape: tuple[int, int], device) -> int:
                            f"{positions} positions failed ({e}); set train.cuda_graphs=false") from e
     for block, replay, call_args in zip(blocks, graphed, args):
         block.forward = _replaying_forward(block.forward, replay, call_args[0].shape, call_args[3].shape,
-                                           positions, call_args[4:])
+                                           positions, tuple(block.parameters()))
     return len(blocks)
 
 
@@ -88,12 +92,14 @@ class _Recorded(Exception):
     """Stops the sampling forward at the first layer: nothing past it is needed."""
 
 
-def _layer_call(forward, positions: int):
-    """The layer as a function of tensors only (what a graph captures); the parameters come last,
-    so that the capture takes gradients with respect to them."""
+def _layer_call(block, names: tuple, positions: int):
+    """The layer as a function of tensors only (what a graph captures), its parameters `names`
+    taken from the arguments after the four inputs, so that the capture takes gradients with
+    respect to those."""
     def call(hidden, cos, sin, cu, *params):
-        return forward(hidden, attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu,
-                       cu_seq_lens_k=cu, max_length_q=positions, max_length_k=positions, use_cache=False)
+        kwargs = dict(attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                      max_length_q=positions, max_length_k=positions, use_cache=False)
+        return torch.func.functional_call(block, dict(zip(names, params)), (hidden,), kwargs)
     return call
 
 
