@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing
+from stages.rl.balance import balanced_groups
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -584,15 +585,26 @@ def micro_batches_by_rank(rows: list[dict], ctx: StageContext, global_batch: int
     """Every rank's micro-batches (index: rank), the same count on every rank (a rank that ran out
     would hang the others).
 
-    Rows are shuffled per epoch (seeded: the same on every rank, so once serves them all), padded
-    with None up to whole global batches, and dealt round-robin; None rows carry no tokens and no loss.
+    Rows are shuffled per epoch (seeded: the same on every rank, so once serves them all) and padded
+    with None up to whole global batches; None rows carry no tokens and no loss. They are dealt
+    round-robin, or with train.balance_tokens into micro-batches of near-equal tokens
+    (stages/rl/balance.py), which are then shuffled and dealt round-robin.
     """
     t = ctx.cfg.train
     out: list[list] = [[] for _ in range(ctx.world_size)]
     for epoch in range(t.epochs):
         order = list(rows)
-        random.Random(f"{ctx.cfg.seed}:{ctx.iteration}:{epoch}").shuffle(order)
+        rng = random.Random(f"{ctx.cfg.seed}:{ctx.iteration}:{epoch}")
+        rng.shuffle(order)
         padded = order + [None] * (-len(order) % global_batch)
+        if t.balance_tokens:
+            groups = balanced_groups([_width(r) if r else 0 for r in padded], len(padded) // t.micro_batch_size,
+                                     t.micro_batch_size)
+            rng.shuffle(groups)  # which step runs which group: no order by composition
+            micro = [[padded[i] for i in g] for g in groups]
+            for rank in range(ctx.world_size):
+                out[rank] += micro[rank::ctx.world_size]
+            continue
         for rank in range(ctx.world_size):
             mine = padded[rank::ctx.world_size]
             out[rank] += [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]

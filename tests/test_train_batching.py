@@ -117,3 +117,63 @@ def test_groups_are_the_cheapest_runs_of_the_length_order(seed):
     # Mostly short rows and a few long ones: the long ones go alone rather than pad the rest.
     mixed = [{"prompt_ids": [1] * 64, "completion_ids": [2] * n} for n in [512] * 3 + [120] * 29]
     assert [len(g) for g in token_budget_groups(mixed, 16384)] == [3, 29]
+
+
+def train_context(world: int, rank: int = 0, **train):
+    """What optimizer_steps reads of a StageContext: the run's seed, the iteration, the rank, the
+    world size and the train section (a real TrainConfig, its checks included)."""
+    from types import SimpleNamespace
+
+    from stages.runtime.config import TrainConfig
+    return SimpleNamespace(cfg=SimpleNamespace(seed=0, train=TrainConfig(**train)), iteration=3, rank=rank,
+                           world_size=world)
+
+
+def realistic_rows(n: int, seed: int) -> list[dict]:
+    # Prompt and completion lengths shaped like the reference workload's: mostly short completions,
+    # a tail clipped at 512 new tokens.
+    rng = random.Random(seed)
+    return [{"prompt_ids": [1] * rng.randint(40, 120), "completion_ids": [2] * min(512, 1 + int(rng.expovariate(1 / 130))),
+             "id": i} for i in range(n)]
+
+
+def test_balanced_groups_deal_every_row_once_into_equal_counts_of_near_equal_tokens():
+    from stages.rl.balance import balanced_groups
+
+    widths = [sum(map(len, (r["prompt_ids"], r["completion_ids"]))) for r in realistic_rows(2048, seed=1)]
+    groups = balanced_groups(widths, 64, 32)
+    assert sorted(i for g in groups for i in g) == list(range(2048))
+    assert {len(g) for g in groups} == {32}
+    sums = [sum(widths[i] for i in g) for g in groups]
+    dealt = [sum(widths[i:i + 32]) for i in range(0, 2048, 32)]  # in the given (shuffled) order
+    assert max(sums) - min(sums) <= max(widths) // 8 < (max(dealt) - min(dealt)) // 10
+    # Equal widths keep the given order: the caller's shuffle decides which row goes where.
+    assert balanced_groups([5, 5, 5, 5], 2, 2) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="do not fill 3 groups of 2"):
+        balanced_groups([1, 2, 3], 3, 2)
+
+
+@pytest.mark.parametrize("world,accumulation", [(1, 1), (2, 1), (2, 3)])
+def test_balanced_micro_batches_hold_every_row_once_with_the_ranks_tokens_near_equal(world, accumulation):
+    from stages.train import _width, micro_batches_by_rank, optimizer_steps
+
+    rows = realistic_rows(1000, seed=world + accumulation)  # not whole global batches: None rows pad
+    for balance in (True, False):
+        settings = dict(micro_batch_size=16, gradient_accumulation_steps=accumulation, balance_tokens=balance, epochs=2)
+        ctx = train_context(world, **settings)
+        per_rank = micro_batches_by_rank(rows, ctx, 16 * accumulation * world)
+        assert len({len(m) for m in per_rank}) == 1  # the same count on every rank
+        seen = [r["id"] for m in per_rank for micro in m for r in micro if r is not None]
+        assert sorted(seen) == sorted(list(range(1000)) * 2)  # two epochs, each row once in each
+        assert all(len(micro) == 16 for m in per_rank for micro in m)
+        tokens = [sum(_width(r) for r in micro if r) for m in per_rank for micro in m]
+        spread = max(tokens) - min(tokens)
+        if balance:
+            assert spread <= 512, spread
+            assert micro_batches_by_rank(rows, ctx, 16 * accumulation * world) == per_rank  # the same on every rank
+            steps = [optimizer_steps(rows, train_context(world, rank, **settings)) for rank in range(world)]
+            assert len({len(s) for s in steps}) == 1
+            assert all(len(step.micro_batches) == accumulation for s in steps for step in s)
+        else:
+            assert spread > 2048, spread
+
