@@ -20,7 +20,13 @@ torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go t
 syncrl's train and save stages use nocrc+pinned+mmap (stages/rl/serialization.py).
 
     python -m torch.distributed.run --nproc-per-node N tests/benchmarks/checkpoint_io.py \\
-        [--preset small-llama] [--dir /tmp/syncrl-ckpt] [--repeats 2] [--variants default,nocrc,nocrc+mmap]
+        [--preset small-llama | --shape small-llama-host] [--dir /tmp/syncrl-ckpt] [--repeats 2] \\
+        [--variants default,nocrc,nocrc+mmap] [--profile]
+
+--shape builds a model of tests/benchmarks/shapes.py from its config (random weights, nothing on
+disk): small-llama-host is small-llama's 24 layers and 219 parameters at a width of 80, so a load
+of it is all of DeepSpeed's per-parameter work and hardly any bytes. --profile traces the last load
+on rank 0 (torch.profiler, on stderr): host-to-device copies against everything else.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ def optimizer_tensors(engine) -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small-llama")
+    parser.add_argument("--shape", default=None, help="build this shape in place instead of loading --preset")
+    parser.add_argument("--profile", action="store_true", help="trace the last load on rank 0 (torch.profiler)")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--dir", default="/tmp/syncrl-ckpt", help="where checkpoints are written (emptied first)")
     parser.add_argument("--variants", default="default,nocrc,nocrc+mmap,nocrc+mmap+pinned")
@@ -85,12 +93,13 @@ def main() -> int:
     from stages.rl.tiny_model import create_base_model
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from train_mfu import join_process_group
+    from profiling import profiled
+    from train_mfu import build_in_place, join_process_group
 
     rank, world, device = join_process_group()
     model_dir, out = Path(args.model_dir), Path(args.dir)
     if rank == 0:
-        if not model_dir.is_dir():
+        if args.shape is None and not model_dir.is_dir():
             create_base_model(model_dir, args.preset)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -101,7 +110,7 @@ def main() -> int:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     if device.type != "cuda":
         ds.pop("bf16", None)
-    model = load_policy(model_dir, dtype, device)
+    model = load_policy(model_dir, dtype, device) if args.shape is None else build_in_place(args.shape, ds, dtype)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     ids = torch.randint(4, model.config.vocab_size, (1, 64), device=device)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -133,10 +142,10 @@ def main() -> int:
     del host
     (out / f"plain.rank{rank}").unlink()
     if rank == 0:
-        print(f"{world} rank(s), {args.preset}, {all_bytes / 1e9:.2f} GB per checkpoint, into {out}")
+        print(f"{world} rank(s), {args.shape or args.preset}, {all_bytes / 1e9:.2f} GB per checkpoint, into {out}")
         print(f"{'plain write':<10} {plain_s:7.2f} s  {all_bytes / 1e9 / plain_s:6.2f} GB/s  "
               "(host memory to file, no serialization: the ceiling)", flush=True)
-    def measure(name: str) -> dict:
+    def measure(name: str, profile: bool = False) -> dict:
         save_cfg, load_cfg = variant_settings(name)
         with ser.patch(**{f"save.{k}": v for k, v in save_cfg.items()}, **{f"load.{k}": v for k, v in load_cfg.items()}):
             sync()
@@ -149,8 +158,12 @@ def main() -> int:
                     t.zero_()
             sync()
             t0 = time.perf_counter()
-            path, _ = engine.load_checkpoint(str(out), tag=name, load_optimizer_states=True,
-                                             load_lr_scheduler_states=True)
+
+            def load():
+                return engine.load_checkpoint(str(out), tag=name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+
+            path, _ = profiled(load, device) if profile else load()
             sync()
             load_s = all_ranks(time.perf_counter() - t0)
         if path is None:
@@ -170,7 +183,9 @@ def main() -> int:
     # next one's write, and the mirror spreads that over every variant.
     names = args.variants.split(",")
     for rep in range(args.repeats):
-        results += [measure(n) for n in (names if rep % 2 == 0 else names[::-1])]
+        order = names if rep % 2 == 0 else names[::-1]
+        results += [measure(n, args.profile and rank == 0 and rep == args.repeats - 1 and n == order[-1])
+                    for n in order]
     if rank == 0:
         print(f"mean of {args.repeats}:")
         for n in names:
