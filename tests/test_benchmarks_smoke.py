@@ -109,6 +109,16 @@ def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_p
     assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)
 
 
+def test_checkpoint_benchmark_builds_a_shape_and_traces_its_last_load(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                           "tests/benchmarks/checkpoint_io.py", "--shape", "small-llama-host", "--variants", "nocrc+mmap",
+                           "--repeats", "2", "--profile", "--dir", str(tmp_path / "ckpt")],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "small-llama-host" in proc.stdout and proc.stdout.count("read back identical") == 2
+    assert proc.stderr.count("PROFILE wall") == 1 and "aten::copy_" in proc.stderr  # the last load only
+
+
 def test_save_export_benchmark_times_both_ways(tmp_path):
     import json
     out = run(["tests/benchmarks/save_export.py", "--preset", "tiny-llama", "--dtype", "float32", "--repeats", "1",
