@@ -16,7 +16,6 @@ import datetime
 import json
 import logging
 import math
-import random
 import shutil
 import time
 import uuid
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing
-from stages.rl.balance import balanced_groups
+from stages.rl.steps import optimizer_steps, row_width
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -466,7 +465,7 @@ def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -
     shape = packing.fixed_shape(micro_batches)
     layers = cuda_graphs.capture_layers(engine.module, shape, device)
     totals["cuda_graphs_s"] = time.time() - t0
-    real = sum(_width(r) for micro in micro_batches for r in micro if r)
+    real = sum(row_width(r) for micro in micro_batches for r in micro if r)
     log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions and up to %d rows "
              "(%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape[0],
              shape[1] - 1, 100 * (1 - real / (shape[0] * max(1, len(micro_batches)))))
@@ -514,101 +513,6 @@ def micro_step(engine, ref, batch: dict, t, temperature: float, normalizer: floa
                                   t.clip_eps, ref_logp, t.kl_coef, normalizer=scale)
     engine.backward(loss)
     return loss, metrics
-
-
-@dataclass
-class OptimizerStep:
-    micro_batches: list  # this rank's, each a list of rows (None: a padding row)
-    normalizer: float | None = None  # loss tokens of the step on all ranks (token-budget batching)
-
-
-def optimizer_steps(rows: list[dict], ctx: StageContext) -> list[OptimizerStep]:
-    """This rank's optimizer steps, the same count (and micro-batch count) on every rank.
-
-    Each step takes the rows today's fixed micro-batches would (micro_batches_by_rank); with
-    train.max_tokens_per_micro_batch they are regrouped by length instead (token_budget_groups).
-    Every rank holds the whole train set, so each computes every rank's grouping, and pads its own
-    with empty micro-batches to the busiest rank's count, without communicating.
-    """
-    t = ctx.cfg.train
-    per_step = t.micro_batch_size * t.gradient_accumulation_steps
-    fixed = micro_batches_by_rank(rows, ctx, per_step * ctx.world_size)
-    n_steps = len(fixed[ctx.rank]) // t.gradient_accumulation_steps
-    steps = []
-    for k in range(n_steps):
-        window = slice(k * t.gradient_accumulation_steps, (k + 1) * t.gradient_accumulation_steps)
-        if not t.max_tokens_per_micro_batch:
-            steps.append(OptimizerStep(fixed[ctx.rank][window]))
-            continue
-        step_rows = [[r for micro in fixed[rank][window] for r in micro if r is not None]
-                     for rank in range(ctx.world_size)]
-        groups = [token_budget_groups(rs, t.max_tokens_per_micro_batch) for rs in step_rows]
-        count = max(1, max(len(g) for g in groups))
-        mine = groups[ctx.rank] + [[None]] * (count - len(groups[ctx.rank]))
-        tokens = sum(len(r["completion_ids"]) for rs in step_rows for r in rs)
-        steps.append(OptimizerStep(mine, float(max(tokens, 1))))
-    return steps
-
-
-# What one more micro-batch costs, in padded positions: a forward and backward of every layer,
-# however few rows it holds. On 1 H200 (small-llama, eager) a step of 32 rows padded to 576
-# positions took ~310 ms, a micro-batch's fixed part ~30 ms of it.
-MICRO_BATCH_POSITIONS = 2048
-
-
-def _width(row: dict) -> int:
-    return len(row["prompt_ids"]) + len(row["completion_ids"])
-
-
-def token_budget_groups(rows: list[dict], budget: int) -> list[list[dict]]:
-    """Rows grouped into micro-batches of at most `budget` padded positions each (a longer row runs
-    alone), the grouping that costs least: padded positions, plus MICRO_BATCH_POSITIONS for every
-    micro-batch. Rows are sorted longest first and each group is a run of that order, padded to its
-    first row's length; the best cut points are found exactly (dynamic programming over the runs).
-    """
-    order = sorted(rows, key=_width, reverse=True)
-    widths = [_width(r) for r in order]
-    n = len(order)
-    cost, cut = [0] * (n + 1), [n] * (n + 1)  # cost[i]: the least cost of grouping order[i:]
-    for i in range(n - 1, -1, -1):
-        fit = max(1, budget // widths[i])  # rows a group starting at i may hold
-        cost[i], cut[i] = min((MICRO_BATCH_POSITIONS + (j - i) * widths[i] + cost[j], j)
-                              for j in range(i + 1, min(n, i + fit) + 1))
-    groups, i = [], 0
-    while i < n:
-        groups.append(order[i:cut[i]])
-        i = cut[i]
-    return groups
-
-
-def micro_batches_by_rank(rows: list[dict], ctx: StageContext, global_batch: int) -> list[list[list[dict | None]]]:
-    """Every rank's micro-batches (index: rank), the same count on every rank (a rank that ran out
-    would hang the others).
-
-    Rows are shuffled per epoch (seeded: the same on every rank, so once serves them all) and padded
-    with None up to whole global batches; None rows carry no tokens and no loss. They are dealt
-    round-robin, or with train.balance_tokens into micro-batches of near-equal tokens
-    (stages/rl/balance.py), which are then shuffled and dealt round-robin.
-    """
-    t = ctx.cfg.train
-    out: list[list] = [[] for _ in range(ctx.world_size)]
-    for epoch in range(t.epochs):
-        order = list(rows)
-        rng = random.Random(f"{ctx.cfg.seed}:{ctx.iteration}:{epoch}")
-        rng.shuffle(order)
-        padded = order + [None] * (-len(order) % global_batch)
-        if t.balance_tokens:
-            groups = balanced_groups([_width(r) if r else 0 for r in padded], len(padded) // t.micro_batch_size,
-                                     t.micro_batch_size)
-            rng.shuffle(groups)  # which step runs which group: no order by composition
-            micro = [[padded[i] for i in g] for g in groups]
-            for rank in range(ctx.world_size):
-                out[rank] += micro[rank::ctx.world_size]
-            continue
-        for rank in range(ctx.world_size):
-            mine = padded[rank::ctx.world_size]
-            out[rank] += [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
-    return out
 
 
 def _step_record(engine, pending: list[dict], tokens: int, norm: grad_norm.FlatGradNorm | None = None) -> dict:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stages.rl.tiny_model import create_base_model
-from stages.train import MICRO_BATCH_POSITIONS, token_budget_groups
+from stages.rl.steps import MICRO_BATCH_POSITIONS, token_budget_groups
 from tests.workers.step_gradients import train_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def realistic_rows(n: int, seed: int) -> list[dict]:
 
 
 def test_balanced_groups_deal_every_row_once_into_equal_counts_of_near_equal_tokens():
-    from stages.rl.balance import balanced_groups
+    from stages.rl.steps import balanced_groups
 
     widths = [sum(map(len, (r["prompt_ids"], r["completion_ids"]))) for r in realistic_rows(2048, seed=1)]
     groups = balanced_groups(widths, 64, 32)
@@ -155,7 +155,7 @@ def test_balanced_groups_deal_every_row_once_into_equal_counts_of_near_equal_tok
 
 @pytest.mark.parametrize("world,accumulation", [(1, 1), (2, 1), (2, 3)])
 def test_balanced_micro_batches_hold_every_row_once_with_the_ranks_tokens_near_equal(world, accumulation):
-    from stages.train import _width, micro_batches_by_rank, optimizer_steps
+    from stages.rl.steps import micro_batches_by_rank, optimizer_steps, row_width
 
     rows = realistic_rows(1000, seed=world + accumulation)  # not whole global batches: None rows pad
     for balance in (True, False):
@@ -166,7 +166,7 @@ def test_balanced_micro_batches_hold_every_row_once_with_the_ranks_tokens_near_e
         seen = [r["id"] for m in per_rank for micro in m for r in micro if r is not None]
         assert sorted(seen) == sorted(list(range(1000)) * 2)  # two epochs, each row once in each
         assert all(len(micro) == 16 for m in per_rank for micro in m)
-        tokens = [sum(_width(r) for r in micro if r) for m in per_rank for micro in m]
+        tokens = [sum(row_width(r) for r in micro if r) for m in per_rank for micro in m]
         spread = max(tokens) - min(tokens)
         if balance:
             assert spread <= 512, spread

@@ -197,7 +197,7 @@ class TrainConfig:
     # fixed cost dominates there (docs/benchmarks.md); steps of many more rows may differ (not measured).
     max_tokens_per_micro_batch: int = 0
     # Deal each epoch's shuffled rows into micro-batches of near-equal token counts (longest rows
-    # first, each to the micro-batch with the fewest tokens so far; stages/rl/balance.py) instead of in
+    # first, each to the micro-batch with the fewest tokens so far; stages/rl/steps.py) instead of in
     # shuffled order: every step costs about the same, ranks do not wait for the one with the longest
     # rows, and train.cuda_graphs pads little. Which rows share a step then depends on their lengths
     # (rows of similar length go to different steps) rather than on the shuffle alone.

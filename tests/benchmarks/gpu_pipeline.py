@@ -149,7 +149,7 @@ def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None
     """Positions the training forward/backward ran, right padding included (train's own batching;
     with train.remove_padding, the rows' own lengths)."""
     try:
-        from stages.train import optimizer_steps
+        from stages.rl.steps import optimizer_steps
     except ImportError:
         return None
     rows = [json.loads(line) for line in (run_dir / f"iter_{it:05d}" / "gather" / "train.jsonl").open()]

@@ -20,7 +20,8 @@ def main() -> int:
     import torch.distributed as tdist
 
     from stages.rl import packing
-    from stages.train import _step_record, flat_grad_norm, micro_step, optimizer_steps
+    from stages.rl.steps import optimizer_steps
+    from stages.train import _step_record, flat_grad_norm, micro_step
     from tests.workers.step_gradients import train_engine, train_rows
 
     cfg, ctx, engine = train_engine(model_dir, overrides)

@@ -61,7 +61,8 @@ def main() -> int:
     import torch.distributed as tdist
     from deepspeed.utils import safe_get_full_grad
 
-    from stages.train import micro_step, optimizer_steps
+    from stages.rl.steps import optimizer_steps
+    from stages.train import micro_step
     from stages.rl import packing
     from stages.rl.batches import collate
 
