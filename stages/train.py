@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing
-from stages.rl.steps import optimizer_steps, row_width
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
+from stages.rl.steps import optimizer_steps, row_width
 from stages.runtime import dist, local_checkpoints, markers
 from stages.runtime.config import ConfigError, deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress

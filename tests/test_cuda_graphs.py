@@ -90,8 +90,7 @@ def test_a_layer_replays_only_its_captured_shape_with_gradients_on(model):
     def replay(hidden, cos, sin, cu, *views):
         # A stand-in for the captured graph (no GPU here): the layer's own function, recorded.
         replays.append(views)
-        return eager(hidden, attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu,
-                     cu_seq_lens_k=cu, max_length_q=shape[0], max_length_k=shape[0], use_cache=False)
+        return eager(hidden, **cuda_graphs.layer_kwargs(cos, sin, cu, shape[0]))
 
     eager = block.forward
     block.forward = cuda_graphs._replaying_forward(eager, replay, args[0].shape, kwargs["cu_seq_lens_q"].shape,

@@ -138,9 +138,9 @@ def realistic_rows(n: int, seed: int) -> list[dict]:
 
 
 def test_balanced_groups_deal_every_row_once_into_equal_counts_of_near_equal_tokens():
-    from stages.rl.steps import balanced_groups
+    from stages.rl.steps import balanced_groups, row_width
 
-    widths = [sum(map(len, (r["prompt_ids"], r["completion_ids"]))) for r in realistic_rows(2048, seed=1)]
+    widths = [row_width(r) for r in realistic_rows(2048, seed=1)]
     groups = balanced_groups(widths, 64, 32)
     assert sorted(i for g in groups for i in g) == list(range(2048))
     assert {len(g) for g in groups} == {32}
@@ -176,4 +176,3 @@ def test_balanced_micro_batches_hold_every_row_once_with_the_ranks_tokens_near_e
             assert all(len(step.micro_batches) == accumulation for s in steps for step in s)
         else:
             assert spread > 2048, spread
-

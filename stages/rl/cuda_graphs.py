@@ -29,9 +29,10 @@ def capture_layers(model, shape: tuple[int, int], device) -> int:
     blocks = decoder_layers(model)
     positions, segments = shape
     samples = _layer_inputs(model, blocks[0], positions, segments, device)
-    calls, args = [], []
+    calls, args, params_of = [], [], []
     for block in blocks:
         names, params = zip(*block.named_parameters())
+        params_of.append(params)
         calls.append(_layer_call(block, names, positions))
         hidden, cos, sin, cu = (x.detach().clone() for x in samples)
         # Aliases of the parameters (same storage, so a replay reads the weights in place), as new
@@ -44,9 +45,9 @@ def capture_layers(model, shape: tuple[int, int], device) -> int:
     except RuntimeError as e:  # an operation that cannot be captured (a host sync, a new allocation pattern)
         raise RuntimeError(f"train.cuda_graphs: capturing the {len(blocks)} {type(blocks[0]).__name__} layers at "
                            f"{positions} positions failed ({e}); set train.cuda_graphs=false") from e
-    for block, replay, call_args in zip(blocks, graphed, args):
+    for block, replay, call_args, params in zip(blocks, graphed, args, params_of):
         block.forward = _replaying_forward(block.forward, replay, call_args[0].shape, call_args[3].shape,
-                                           positions, tuple(block.parameters()))
+                                           positions, params)
     return len(blocks)
 
 
@@ -97,10 +98,15 @@ def _layer_call(block, names: tuple, positions: int):
     taken from the arguments after the four inputs, so that the capture takes gradients with
     respect to those."""
     def call(hidden, cos, sin, cu, *params):
-        kwargs = dict(attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                      max_length_q=positions, max_length_k=positions, use_cache=False)
-        return torch.func.functional_call(block, dict(zip(names, params)), (hidden,), kwargs)
+        return torch.func.functional_call(block, dict(zip(names, params)), (hidden,),
+                                          layer_kwargs(cos, sin, cu, positions))
     return call
+
+
+def layer_kwargs(cos, sin, cu, positions: int) -> dict:
+    """What a decoder layer of a packed batch takes besides its hidden states."""
+    return dict(attention_mask=None, position_embeddings=(cos, sin), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=positions, max_length_k=positions, use_cache=False)
 
 
 class _CopiedGradients(torch.autograd.Function):

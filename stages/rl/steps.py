@@ -23,7 +23,8 @@ class OptimizerStep:
 
 
 def optimizer_steps(rows: list[dict], ctx) -> list[OptimizerStep]:
-    """This rank's optimizer steps (ctx: the stage's context: its config, iteration, rank and world size), the same count (and micro-batch count) on every rank.
+    """This rank's optimizer steps, the same count (and micro-batch count) on every rank; `ctx` is
+    the stage's context (its config, iteration, rank and world size).
 
     Each step takes the rows today's fixed micro-batches would (micro_batches_by_rank); with
     train.max_tokens_per_micro_batch they are regrouped by length instead (token_budget_groups).
