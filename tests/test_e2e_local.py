@@ -57,6 +57,7 @@ def test_two_iterations_then_everything_skipped(tiny_run):
     assert "iteration 0 train    started early (attempt 1): loading while generate runs" in proc.stderr
     assert "iteration 1 train    started early (attempt 1): loading while train runs" in proc.stderr
     assert "iteration 1 save     started early (attempt 1): loading while generate runs" in proc.stderr
+    assert "iteration 1 generate started early (attempt 1): loading while generate runs" in proc.stderr
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
     assert train["world_size"] == 2 and train["steps"] >= 1
     # train.deferred_checkpoint (the default): train marked done, then wrote its checkpoint; save

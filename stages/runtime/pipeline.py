@@ -59,13 +59,16 @@ class Stage:
 # save, generate, score and gather, and its turn waited 3.8-7.9 s for them); in iteration 0, at
 # generate. It builds nothing on the GPU before its turn. Save starts with generate: started with
 # train, beside the next generate's and train's imports, its own imports ran 1.8-3.1 s past its turn.
+# The next generate starts with this generate: started with train, beside the next train's imports
+# and a 5 s update, its imports took 11-12 s and its turn waited 2.4-3.3 s for them.
 PIPELINE = (
     Stage("generate", every_rank=True, grouped=True, gpu=True, reads=(("save", -1),),
-          starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(0, "save", "train", 0))),
+          starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(0, "save", "train", 0),
+                        EarlyStart(1, "generate", "save", 0))),
     Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
     Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
     Stage("train", every_rank=True, gpu=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
-          starts_early=(EarlyStart(1, "generate", "save", 0), EarlyStart(1, "train", "gather", 1))),
+          starts_early=(EarlyStart(1, "train", "gather", 1),)),
     Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),)),
     Stage("persist", every_rank=False, every_node=True, reads=(("train", 0),), needs=(Need("train", "stage"),),
           done_before=("train", 1)),
