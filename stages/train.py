@@ -29,7 +29,7 @@ from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
-from stages.rl.steps import optimizer_steps, row_width
+from stages.rl.steps import optimizer_steps
 from stages.runtime import dist, local_checkpoints, markers
 from stages.runtime.config import ConfigError, deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress
@@ -465,7 +465,7 @@ def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -
     shape = packing.fixed_shape(micro_batches)
     layers = cuda_graphs.capture_layers(engine.module, shape, device)
     totals["cuda_graphs_s"] = time.time() - t0
-    real = sum(row_width(r) for micro in micro_batches for r in micro if r)
+    real = sum(packing.row_width(r) for micro in micro_batches for r in micro if r)
     log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions and up to %d rows "
              "(%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape[0],
              shape[1] - 1, 100 * (1 - real / (shape[0] * max(1, len(micro_batches)))))

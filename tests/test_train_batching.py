@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from stages.rl.tiny_model import create_base_model
+from stages.rl.packing import row_width
 from stages.rl.steps import MICRO_BATCH_POSITIONS, token_budget_groups
 from tests.workers.step_gradients import train_rows
 
@@ -79,19 +80,17 @@ def test_step_gradient_does_not_depend_on_grouping(tmp_path, model_dir, zero):
 
 def test_groups_fill_the_budget_longest_first():
     rows = train_rows(40, seed=3)
-    length = lambda r: len(r["prompt_ids"]) + len(r["completion_ids"])  # noqa: E731
     groups = token_budget_groups(rows, 64)
     assert sorted(id(r) for g in groups for r in g) == sorted(id(r) for r in rows)
     for g in groups:
-        assert len(g) * max(map(length, g)) <= 64 or len(g) == 1
-    assert [length(g[0]) for g in groups] == sorted((length(g[0]) for g in groups), reverse=True)
+        assert len(g) * max(map(row_width, g)) <= 64 or len(g) == 1
+    assert [row_width(g[0]) for g in groups] == sorted((row_width(g[0]) for g in groups), reverse=True)
     # A row longer than the budget runs alone.
-    assert token_budget_groups(rows[:3], 1) == [[r] for r in sorted(rows[:3], key=length, reverse=True)]
+    assert token_budget_groups(rows[:3], 1) == [[r] for r in sorted(rows[:3], key=row_width, reverse=True)]
 
 
 def grouping_cost(groups) -> int:
-    width = lambda r: len(r["prompt_ids"]) + len(r["completion_ids"])  # noqa: E731
-    return sum(MICRO_BATCH_POSITIONS + len(g) * max(map(width, g)) for g in groups)
+    return sum(MICRO_BATCH_POSITIONS + len(g) * max(map(row_width, g)) for g in groups)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -138,7 +137,7 @@ def realistic_rows(n: int, seed: int) -> list[dict]:
 
 
 def test_balanced_groups_deal_every_row_once_into_equal_counts_of_near_equal_tokens():
-    from stages.rl.steps import balanced_groups, row_width
+    from stages.rl.steps import balanced_groups
 
     widths = [row_width(r) for r in realistic_rows(2048, seed=1)]
     groups = balanced_groups(widths, 64, 32)
@@ -155,7 +154,7 @@ def test_balanced_groups_deal_every_row_once_into_equal_counts_of_near_equal_tok
 
 @pytest.mark.parametrize("world,accumulation", [(1, 1), (2, 1), (2, 3)])
 def test_balanced_micro_batches_hold_every_row_once_with_the_ranks_tokens_near_equal(world, accumulation):
-    from stages.rl.steps import micro_batches_by_rank, optimizer_steps, row_width
+    from stages.rl.steps import micro_batches_by_rank, optimizer_steps
 
     rows = realistic_rows(1000, seed=world + accumulation)  # not whole global batches: None rows pad
     for balance in (True, False):

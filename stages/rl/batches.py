@@ -82,7 +82,7 @@ def completion_logprobs(model, rows: list[dict], temperature: float, device) -> 
     Rows go through in order of length, so that each pass pads its rows to a similar width; the
     results come back in the rows' order.
     """
-    lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
+    lengths = [packing.row_width(r) for r in rows]
     order = sorted(range(len(rows)), key=lengths.__getitem__)
     out: list = [None] * len(rows)
     vocab = model.config.vocab_size

@@ -164,6 +164,11 @@ def _varlen_attn():
     return call
 
 
+def row_width(row: dict) -> int:
+    """The positions a row takes in a batch: its prompt and its completion."""
+    return len(row["prompt_ids"]) + len(row["completion_ids"])
+
+
 def fixed_shape(micro_batches: list[list[dict | None]], multiple: int = 64) -> tuple[int, int]:
     """The (positions, segments) that every one of `micro_batches` fits packed (pack's `shape`): a
     segment per row of the fullest plus one for padding, and the most positions of any plus a
@@ -171,7 +176,7 @@ def fixed_shape(micro_batches: list[list[dict | None]], multiple: int = 64) -> t
     totals, rows = [2], [1]  # an empty micro-batch packs as one masked row of 2 tokens
     for micro in micro_batches:
         real = [r for r in micro if r is not None]
-        totals.append(sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real))
+        totals.append(sum(map(row_width, real)))
         rows.append(len(real))
     segments = max(rows) + 1
     return -(-(max(totals) + segments) // multiple) * multiple, segments

@@ -15,6 +15,8 @@ import heapq
 import random
 from dataclasses import dataclass
 
+from stages.rl.packing import row_width
+
 
 @dataclass
 class OptimizerStep:
@@ -55,10 +57,6 @@ def optimizer_steps(rows: list[dict], ctx) -> list[OptimizerStep]:
 # however few rows it holds. On 1 H200 (small-llama, eager) a step of 32 rows padded to 576
 # positions took ~310 ms, a micro-batch's fixed part ~30 ms of it.
 MICRO_BATCH_POSITIONS = 2048
-
-
-def row_width(row: dict) -> int:
-    return len(row["prompt_ids"]) + len(row["completion_ids"])
 
 
 def token_budget_groups(rows: list[dict], budget: int) -> list[list[dict]]:

@@ -60,7 +60,8 @@ class Stage:
 # generate. It builds nothing on the GPU before its turn. Save starts with generate: started with
 # train, beside the next generate's and train's imports, its own imports ran 1.8-3.1 s past its turn.
 # The next generate starts with this generate: started with train, beside the next train's imports
-# and a 5 s update, its imports took 11-12 s and its turn waited 2.4-3.3 s for them.
+# and a 5 s update, its imports took 11-12 s and its turn waited 2.4-3.8 s for them (0.6-0.8 s
+# started with generate).
 PIPELINE = (
     Stage("generate", every_rank=True, grouped=True, gpu=True, reads=(("save", -1),),
           starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(0, "save", "train", 0),

@@ -149,6 +149,7 @@ def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None
     """Positions the training forward/backward ran, right padding included (train's own batching;
     with train.remove_padding, the rows' own lengths)."""
     try:
+        from stages.rl.packing import row_width
         from stages.rl.steps import optimizer_steps
     except ImportError:
         return None
@@ -162,7 +163,7 @@ def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None
         for step in optimizer_steps(rows, ctx):
             for micro in step.micro_batches:
                 real = [r for r in micro if r is not None]
-                lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in real]
+                lengths = [row_width(r) for r in real]
                 if lengths:
                     total += sum(lengths) if getattr(t, "remove_padding", False) else len(lengths) * max(lengths)
     return total
