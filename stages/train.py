@@ -455,7 +455,7 @@ def check_graph_device(ctx: StageContext, device) -> None:
                           "GPU; set train.cuda_graphs=false")
 
 
-def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> tuple[int, int] | None:
+def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> packing.PackedShape | None:
     """With train.cuda_graphs, capture the policy's layers as CUDA graphs at the one packed shape all
     of this rank's micro-batches fit (stages/rl/cuda_graphs.py); returns that shape (None: no graphs)."""
     if not ctx.cfg.train.cuda_graphs:
@@ -466,9 +466,9 @@ def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -
     layers = cuda_graphs.capture_layers(engine.module, shape, device)
     totals["cuda_graphs_s"] = time.time() - t0
     real = sum(packing.row_width(r) for micro in micro_batches for r in micro if r)
-    log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions and up to %d rows "
-             "(%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape[0],
-             shape[1] - 1, 100 * (1 - real / (shape[0] * max(1, len(micro_batches)))))
+    log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions, up to %d rows of up to "
+             "%d (%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape.positions,
+             shape.segments - 1, shape.max_length, 100 * (1 - real / (shape.positions * max(1, len(micro_batches)))))
     return shape
 
 

@@ -56,8 +56,10 @@ def test_a_layer_called_as_the_capture_calls_it_gives_the_models_own_output(mode
     batch = packing.pack(rows, torch.device("cpu"), shape)
     blocks = cuda_graphs.decoder_layers(model)
     assert len(blocks) == 3
-    hidden, cos, sin, cu = cuda_graphs._layer_inputs(model, blocks[0], *shape, "cpu")
-    assert hidden.shape == (1, shape[0], 64) and cu.tolist() == [*range(shape[1]), shape[0]]
+    hidden, cos, sin, cu = cuda_graphs._layer_inputs(model, blocks[0], shape, "cpu")
+    widths = cu.diff().tolist()
+    assert hidden.shape == (1, shape.positions, 64) and len(widths) == shape.segments and cu[-1] == shape.positions
+    assert 1 <= min(widths) and max(widths) <= shape.max_length
     # The model's layers on a real batch, then each called as the capture calls it, on the same
     # inputs, with aliases of its parameters as the capture passes them: the layer's own output,
     # and its weight gradients land on the aliases, not on the parameters (whose accumulators
@@ -65,7 +67,7 @@ def test_a_layer_called_as_the_capture_calls_it_gives_the_models_own_output(mode
     for block, (args, kwargs, output) in zip(blocks, layer_io(model, batch)):
         cos, sin = kwargs["position_embeddings"]
         names, params = zip(*block.named_parameters())
-        call = cuda_graphs._layer_call(block, names, shape[0])
+        call = cuda_graphs._layer_call(block, names, shape.max_length)
         aliases = [p.detach().requires_grad_() for p in params]
         got = call(args[0], cos, sin, kwargs["cu_seq_lens_q"], *aliases)
         assert torch.allclose(got, output, atol=1e-6)
@@ -90,17 +92,17 @@ def test_a_layer_replays_only_its_captured_shape_with_gradients_on(model):
     def replay(hidden, cos, sin, cu, *views):
         # A stand-in for the captured graph (no GPU here): the layer's own function, recorded.
         replays.append(views)
-        return eager(hidden, **cuda_graphs.layer_kwargs(cos, sin, cu, shape[0]))
+        return eager(hidden, **cuda_graphs.layer_kwargs(cos, sin, cu, shape.max_length))
 
     eager = block.forward
     block.forward = cuda_graphs._replaying_forward(eager, replay, args[0].shape, kwargs["cu_seq_lens_q"].shape,
-                                                   shape[0], params)
+                                                   shape.max_length, params)
     out = block(args[0].clone().requires_grad_(), **kwargs)
     assert len(replays) == 1 and torch.allclose(out, want, atol=1e-6)
     assert [v.data_ptr() for v in replays[0]] == [p.data_ptr() for p in params]  # the weights where they are
     with torch.no_grad():
         block(args[0], **kwargs)  # no gradients: the eager layer
-    other = packing.pack(rows, torch.device("cpu"), (shape[0] + 64, shape[1]))
+    other = packing.pack(rows, torch.device("cpu"), (shape.positions + 64, shape.segments))
     a2, k2, _ = layer_io(model, other)[0]
     block(a2[0].clone().requires_grad_(), **k2)  # another shape: the eager layer
     assert len(replays) == 1

@@ -222,7 +222,8 @@ def main() -> int:
             fixed = packing.fixed_shape(micros)
             cuda_graphs.capture_layers(engine.module, fixed, device)
             if rank == 0:
-                print(f"{v['name']}: captured at {fixed[0]} positions, {fixed[1] - 1} rows in "
+                print(f"{v['name']}: captured at {fixed.positions} positions, {fixed.segments - 1} rows of up to "
+                      f"{fixed.max_length} in "
                       f"{time.perf_counter() - t_capture:.1f} s", flush=True)
         if v["packed"]:
             batches = [packing.pack(m, device, fixed) for m in micros]
