@@ -60,7 +60,7 @@ def main(ctx: StageContext) -> None:
         sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g,
                               sample_seed(cfg.seed, ctx.iteration, ctx.rank), cache_dir=ctx.paths.vllm_cache(ctx.rank))
     model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread,
-                        fused_norms=cfg.model.fused_rms_norm).eval()
+                        fused_norms=cfg.model.fused_rms_norm, fused_layers=cfg.model.fused_layers).eval()
     if spread:
         device = model.device  # where the first layers live: inputs go there
     load_s = time.time() - t0

@@ -93,7 +93,8 @@ def set_up(ctx: StageContext) -> TrainRun:
         hf_ds_config = _zero3_init_context(ds_config)
         # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
         model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device,
-                            fused_norms=cfg.model.fused_rms_norm)
+                            fused_norms=cfg.model.fused_rms_norm,
+                            fused_layers=cfg.model.fused_layers)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if t.remove_padding:
@@ -297,7 +298,8 @@ def compile_models(engine, ref, backend: str, stage: int):
 
 def load_reference(ctx: StageContext, device):
     return load_policy(ctx.base_model_path(), ctx.cfg.model.dtype, device,
-                       fused_norms=ctx.cfg.model.fused_rms_norm).eval().requires_grad_(False)
+                       fused_norms=ctx.cfg.model.fused_rms_norm,
+                       fused_layers=ctx.cfg.model.fused_layers).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:

@@ -144,7 +144,8 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
-def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights():
+@pytest.mark.parametrize("fused", [False, True], ids=["hf-layers", "fused-layers"])
+def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights(fused):
     # train.cuda_graphs (stages/rl/cuda_graphs.py): micro-batches of other rows and lengths, all
     # packed to one shape, through captured layers and through the eager ones, with the weights
     # changed in place between steps (as DeepSpeed's optimizer step changes them). The same kernels
@@ -159,6 +160,10 @@ def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights
 
     eager = small_llama(layers=3)
     packing.use_packed_attention(eager)
+    if fused:  # model.fused_layers: its Triton kernels captured too
+        from stages.rl.fused_layers import fuse_layers
+
+        assert fuse_layers(eager) == 6
     graphed = copy.deepcopy(eager)
     device = torch.device("cuda")
     micro_batches = [train_rows(24, seed=s)[:n] for s, n in ((1, 24), (2, 17), (3, 24), (4, 1))]

@@ -40,10 +40,11 @@ def load_tokenizer(path: Path):
 
 
 def load_policy(path: Path, dtype: str, device: torch.device | None = None, spread: bool = False,
-                fused_norms: bool = False):
+                fused_norms: bool = False, fused_layers: bool = False):
     """The HF model at `path`: on the host (device None), on `device`, or with `spread` on GPU, its
     layers split over every GPU this process sees (transformers' device_map="auto"); with
-    fused_norms its RMSNorms run torch's fused kernel (fuse_rms_norms)."""
+    fused_norms its RMSNorms run torch's fused kernel (fuse_rms_norms), with fused_layers its
+    attention and MLP Triton's (stages/rl/fused_layers.py)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
@@ -63,6 +64,10 @@ def load_policy(path: Path, dtype: str, device: torch.device | None = None, spre
         model.to(device)
     if fused_norms:
         fuse_rms_norms(model)
+    if fused_layers:
+        from stages.rl.fused_layers import fuse_layers
+
+        fuse_layers(model)
     return model
 
 

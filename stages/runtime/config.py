@@ -35,6 +35,11 @@ class ModelConfig:
     # (small-llama, 32 x 576 tokens) a train step took 0.215-0.225 s against 0.271-0.275 s, and
     # sampling the reference workload 6.5 s against 6.9 s (docs/benchmarks.md).
     fused_rms_norm: bool = True
+    # Llama, Mistral and Qwen2 attention and MLP on a GPU: q, k and v from one matrix product, gate and
+    # up from another, the rotary embedding and SiLU(gate) * up each one Triton kernel a direction
+    # (stages/rl/fused_layers.py), for train's update and the whole-sequence log-prob passes; decoding
+    # with a KV cache and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it).
+    fused_layers: bool = True
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))

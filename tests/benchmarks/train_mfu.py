@@ -20,7 +20,9 @@ inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and ba
 as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed)
 nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
 a bound, not a setting train offers) and flatnorm (the norm and clipping on the flat fp32 partition
-instead of DeepSpeed's per-parameter norm: train.grad_norm=flat).
+instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
+the MLP's gate/up each one matrix product, the rotary embedding and SiLU-times-up Triton kernels:
+model.fused_layers).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -54,14 +56,14 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "graphs": False,
-         "nonorm": False, "flatnorm": False, "name": text}
+         "nonorm": False, "flatnorm": False, "kernels": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm"):
+                      "graphs", "nonorm", "flatnorm", "kernels"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -194,9 +196,9 @@ def main() -> int:
             ref, model = None, build_in_place(args.shape, ds, dtype)
         else:
             fused = v["fused"]
-            ref = load_policy(model_dir, dtype, device, fused_norms=fused).eval().requires_grad_(False) \
-                if v["kl"] else None
-            model = load_policy(model_dir, dtype, fused_norms=fused)
+            ref = load_policy(model_dir, dtype, device, fused_norms=fused, fused_layers=v["kernels"]).eval() \
+                .requires_grad_(False) if v["kl"] else None
+            model = load_policy(model_dir, dtype, fused_norms=fused, fused_layers=v["kernels"])
         if v["gc"]:
             model.gradient_checkpointing_enable()
         if v["packed"]:

@@ -1,0 +1,187 @@
+"""Fewer, larger kernels in the decoder layers' attention and MLP (model.fused_layers).
+
+On 1 H200 a train step of the 0.48B small-llama spent about a third of its layers' GPU time outside
+matrix products and attention: HF's rotary embedding is ten elementwise kernels a layer forward (five
+for each of queries and keys, on transposed views that do not vectorize) and more backward, and
+SiLU-times-up three more, each reading and writing a full activation (docs/benchmarks.md). Here:
+  - q, k and v come from one matrix product with the three weights concatenated (the activations are
+    read once; backward, one product for the input's gradient instead of three and two sums);
+  - one Triton kernel rotates q and k and lays q, k and v out contiguous, as the attention takes them,
+    and one writes the three gradients back into the product's layout;
+  - gate and up likewise come from one product, and one kernel each way computes SiLU(gate) * up and
+    its two gradients, in float32, from the product's output alone.
+The parameters, their names and the checkpoint stay HF's: the concatenation is of the weights as
+they are, each forward (copies a few MB a layer), and its backward hands each weight its own slice.
+
+The fused forward runs where the kernels run (CUDA, or Triton's interpreter on the host for the
+tests: TRITON_INTERPRET=1 set before the first use) and only for a whole-sequence pass (no KV cache:
+training and log-prob passes); anything else takes HF's own forward. ZeRO-3 gathers a module's
+weights when that module is called, which the concatenation bypasses: fuse_layers leaves a
+partitioned model alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# Attention classes whose forward is Llama's (q/k/v/o projections, biases or not, the rotary embedding
+# from position_embeddings, no norm on q or k) and MLP classes computing down(act(gate(x)) * up(x)).
+ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
+MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
+SILU = {"silu", "swish"}
+
+
+def fuse_layers(model) -> int:
+    """Route the forward of `model`'s attention and MLP modules of ATTENTION and MLP through the fused
+    one (HF's where it does not apply); returns how many modules. Needs Triton where the model runs
+    on CUDA."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        log.info("model.fused_layers: the model is partitioned (ZeRO-3), its layers run HF's forward")
+        return 0
+    if any(p.is_cuda for p in model.parameters()) and kernels() is None:
+        raise RuntimeError("model.fused_layers needs Triton on a GPU (it comes with torch's CUDA wheels: "
+                           "pip install triton), or set model.fused_layers=false")
+    n = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in ATTENTION and hasattr(module, "q_proj"):
+            module.forward = types.MethodType(_attention_forward, module)
+            n += 1
+        elif name in MLP and getattr(module.config, "hidden_act", None) in SILU:
+            module.forward = types.MethodType(_mlp_forward, module)
+            n += 1
+    return n
+
+
+def _runs_here(x: torch.Tensor) -> bool:
+    k = kernels()
+    return k is not None and (x.is_cuda or k.INTERPRETED)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    cached = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "past_key_value"))
+    if args or cached or position_embeddings is None or not _runs_here(hidden_states):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    heads, kv_heads = self.q_proj.out_features // self.head_dim, self.k_proj.out_features // self.head_dim
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
+    qkv = F.linear(hidden_states, torch.cat([p.weight for p in projections]), bias)
+    cos, sin = position_embeddings
+    q, k, v = RotaryQKV.apply(qkv, cos, sin, heads, kv_heads, self.head_dim)  # each [B, T, heads, D]
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    if attention is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as attention
+    if getattr(self, "sliding_window", None) is not None:
+        kwargs["sliding_window"] = self.sliding_window
+    out, weights = attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                             **kwargs)
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def _mlp_forward(self, x):
+    if not _runs_here(x):
+        return type(self).forward(self, x)
+    bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None else None
+    gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]), bias)
+    return self.down_proj(SwiGLU.apply(gate_up))
+
+
+class RotaryQKV(torch.autograd.Function):
+    """[B, T, (H + 2 Hkv) D] -> q [B, T, H, D] and k [B, T, Hkv, D] rotated (HF's q * cos +
+    rotate_half(q) * sin, cos and sin [B, T, D]) and v [B, T, Hkv, D], each contiguous."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads: int, kv_heads: int, dim: int):
+        qkv = qkv.contiguous()
+        b, t = qkv.shape[:2]
+        q = qkv.new_empty(b, t, heads, dim)
+        k, v = qkv.new_empty(b, t, kv_heads, dim), qkv.new_empty(b, t, kv_heads, dim)
+        cos, sin = _rows(cos, b, t), _rows(sin, b, t)
+        _launch_rotary(qkv, q, k, v, cos, sin, heads, kv_heads, dim, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape = heads, kv_heads, dim
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        heads, kv_heads, dim = ctx.shape
+        b, t = cos.shape[:2]
+        # An output nobody used has no gradient: zeros of its shape.
+        dq, dk, dv = (cos.new_zeros(b, t, n, dim) if g is None else g.contiguous()
+                      for g, n in ((dq, heads), (dk, kv_heads), (dv, kv_heads)))
+        dqkv = dq.new_empty(b, t, (heads + 2 * kv_heads) * dim)
+        _launch_rotary(dqkv, dq, dk, dv, cos, sin, heads, kv_heads, dim, backward=True)
+        return dqkv, None, None, None, None, None
+
+
+def _rows(x: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """cos or sin as a contiguous [B, T, D] (HF's rotary module gives [1 or B, T, D])."""
+    return x.expand(b, t, x.shape[-1]).contiguous()
+
+
+def _launch_rotary(qkv, q, k, v, cos, sin, heads, kv_heads, dim, backward: bool):
+    if dim % 2:
+        raise ValueError(f"model.fused_layers: the rotary embedding rotates halves of each head; this model's head "
+                         f"size is {dim}: set model.fused_layers=false")
+    rows = qkv.shape[0] * qkv.shape[1]
+    kernels().rotary[(rows,)](qkv, q, k, v, cos, sin, HEADS=heads, KV_HEADS=kv_heads,
+                              HEADS_P2=_pow2(heads), KV_P2=_pow2(kv_heads), HALF=dim // 2, HALF_P2=_pow2(dim // 2),
+                              BACKWARD=backward)
+
+
+class SwiGLU(torch.autograd.Function):
+    """[..., 2I] (gate, then up) -> SiLU(gate) * up [..., I], computed in float32."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate_up = gate_up.contiguous()
+        width = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], width)
+        _launch_swiglu(gate_up, out, None, width)
+        ctx.save_for_backward(gate_up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        d_gate_up = torch.empty_like(gate_up)
+        _launch_swiglu(gate_up, grad.contiguous(), d_gate_up, gate_up.shape[-1] // 2)
+        return d_gate_up
+
+
+def _launch_swiglu(gate_up, out_or_grad, d_gate_up, width: int):
+    rows = gate_up.numel() // (2 * width)
+    block = min(1024, _pow2(width))
+    k = kernels()
+    if d_gate_up is None:
+        k.swiglu[(rows, -(-width // block))](gate_up, out_or_grad, width, BLOCK=block)
+    else:
+        k.swiglu_backward[(rows, -(-width // block))](gate_up, out_or_grad, d_gate_up, width, BLOCK=block)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def kernels():
+    """stages/rl/fused_kernels.py, imported at first use and anew after kernels.cache_clear() (Triton
+    reads TRITON_INTERPRET as it defines a kernel); None where Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    sys.modules.pop("stages.rl.fused_kernels", None)
+    return importlib.import_module("stages.rl.fused_kernels")

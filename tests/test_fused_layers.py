@@ -1,0 +1,134 @@
+"""The fused attention and MLP (model.fused_layers, stages/rl/fused_layers.py) compute what HF's do.
+
+On the host the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, numpy underneath),
+the same kernel code the GPU compiles; in float32 the only differences are the order of float32
+operations. On a GPU (`pytest -m gpu`) they run compiled, in bf16, where they round once where HF
+rounds after every operation: they agree within bf16's reach.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from stages.rl import fused_layers, packing
+from tests.devices import DEVICES
+from tests.workers.step_gradients import train_rows
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def kernels_on(monkeypatch, request):
+    """The kernels where the test's tensors are: interpreted on the host, compiled on a GPU."""
+    device = getattr(request, "param", "cpu")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fused_layers.kernels.cache_clear()
+    yield device
+    fused_layers.kernels.cache_clear()
+
+
+def models(kind: str, device: str):
+    """(HF's, fused) copies of a small model with grouped-query attention: Llama (no biases) or Qwen2
+    (biases on q, k and v)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from stages.rl.tiny_model import build_tokenizer, llama_config
+
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    if kind == "llama":
+        config = llama_config(dims)
+    else:
+        tok = build_tokenizer()
+        config = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **dims)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for name, p in plain.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    fused = copy.deepcopy(plain)
+    assert fused_layers.fuse_layers(fused) == 2 * config.num_hidden_layers  # an attention and an MLP each
+    return plain, fused
+
+
+def logits_and_grads(model, **inputs):
+    model.zero_grad()
+    logits = model(**inputs).logits.float()
+    (logits.logsumexp(-1) * torch.linspace(-1, 1, logits.shape[1], device=logits.device)).sum().backward()
+    return logits.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def assert_close(got, want, device, what):
+    if device == "cpu":
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (what, (got - want).abs().max())
+    else:
+        assert (got - want).norm() <= 0.03 * want.norm() + 1e-6, (what, (got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_layers_give_hfs_logits_and_gradients(kernels_on, kind):
+    device = kernels_on
+    plain, fused = models(kind, device)
+    # A padded batch (SDPA with a mask), then the same rows packed (variable-length attention).
+    ids = torch.randint(4, plain.config.vocab_size, (3, 24), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    for model in (plain, fused):
+        model.set_attn_implementation("sdpa")
+    want, want_grads = logits_and_grads(plain, input_ids=ids, attention_mask=mask)
+    got, got_grads = logits_and_grads(fused, input_ids=ids, attention_mask=mask)
+    keep = mask.bool()
+    assert_close(got[keep], want[keep], device, "padded logits")
+    for name, g in want_grads.items():
+        assert_close(got_grads[name], g, device, name)
+    for model in (plain, fused):
+        packing.use_packed_attention(model)
+    batch = packing.pack(train_rows(5, seed=3), device)
+    kw = packing.model_kwargs(batch)
+    want, want_grads = logits_and_grads(plain, input_ids=batch["input_ids"], **kw)
+    got, got_grads = logits_and_grads(fused, input_ids=batch["input_ids"], **kw)
+    assert_close(got, want, device, "packed logits")
+    for name, g in want_grads.items():
+        assert_close(got_grads[name], g, device, name)
+
+
+def test_decoding_with_a_cache_runs_hfs_forward(kernels_on, monkeypatch):
+    plain, fused = models("llama", "cpu")
+    calls = []
+    rotary = fused_layers.RotaryQKV.apply
+    monkeypatch.setattr(fused_layers.RotaryQKV, "apply", lambda *a: calls.append(1) or rotary(*a))
+    ids = torch.randint(4, plain.config.vocab_size, (2, 6))
+    want = plain.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    got = fused.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert calls == []  # every forward of generate's had a cache: HF's own
+    fused(input_ids=ids, use_cache=False)
+    assert len(calls) == 2  # a whole-sequence pass: the fused one, in each layer
+
+
+def test_a_head_size_that_is_not_a_power_of_two(kernels_on):
+    # Heads of 24 (halves of 12: the kernel's block is 16, masked); odd sizes have no halves to rotate.
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    qkv = torch.randn(2, 5, (3 + 2 * 1) * 24, requires_grad=True)
+    angles = torch.randn(2, 5, 12)
+    cos, sin = angles.cos().repeat(1, 1, 2), angles.sin().repeat(1, 1, 2)
+    q, k, v = fused_layers.RotaryQKV.apply(qkv, cos, sin, 3, 1, 24)
+    hq, hk, hv = qkv.split([72, 24, 24], dim=-1)
+    wq, wk = apply_rotary_pos_emb(hq.view(2, 5, 3, 24).transpose(1, 2), hk.view(2, 5, 1, 24).transpose(1, 2), cos, sin)
+    assert torch.allclose(q, wq.transpose(1, 2), atol=1e-6) and torch.allclose(k, wk.transpose(1, 2), atol=1e-6)
+    assert torch.equal(v, hv.view(2, 5, 1, 24))
+    weights = [torch.randn_like(x) for x in (q, k, v)]
+    got = torch.autograd.grad(sum((x * w).sum() for x, w in zip((q, k, v), weights)), qkv)[0]
+    want = torch.autograd.grad(sum((x * w).sum() for x, w in zip((wq.transpose(1, 2), wk.transpose(1, 2),
+                                                                   hv.view(2, 5, 1, 24)), weights)), qkv)[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="head size is 13: set model.fused_layers=false"):
+        fused_layers.RotaryQKV.apply(torch.randn(1, 3, 3 * 13), sin[:1, :3, :13], sin[:1, :3, :13], 1, 1, 13)
