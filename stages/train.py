@@ -27,7 +27,8 @@ import torch
 from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
-from stages.rl.modeling import compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
+from stages.rl.modeling import (compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads,
+                                warm_fused_layers)
 from stages.rl.serialization import checkpoint_io
 from stages.rl.steps import optimizer_steps
 from stages.runtime import dist, local_checkpoints, markers
@@ -274,6 +275,7 @@ def preload(ctx: StageContext) -> None:
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
     preload_model_code(ctx)
+    warm_fused_layers(ctx)
     deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
 
 

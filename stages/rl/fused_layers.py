@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
 SILU = {"silu", "swish"}
+MODEL_TYPES = {"llama", "qwen2", "mistral"}  # their configs' model_type: the architectures above
 
 
 def fuse_layers(model) -> int:
@@ -48,7 +49,7 @@ def fuse_layers(model) -> int:
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         log.info("model.fused_layers: the model is partitioned (ZeRO-3), its layers run HF's forward")
         return 0
-    if any(p.is_cuda for p in model.parameters()) and kernels() is None:
+    if any(p.is_cuda for p in model.parameters()) and importlib.util.find_spec("triton") is None:
         raise RuntimeError("model.fused_layers needs Triton on a GPU (it comes with torch's CUDA wheels: "
                            "pip install triton), or set model.fused_layers=false")
     n = 0
@@ -61,6 +62,26 @@ def fuse_layers(model) -> int:
             module.forward = types.MethodType(_mlp_forward, module)
             n += 1
     return n
+
+
+def warm_up(config, dtype: torch.dtype, device) -> bool:
+    """Load the kernels for a model of `config` (an HF config) on `device`, compiling them the first
+    time on this machine (Triton keeps them in its cache directory): each runs once, forward and
+    backward, on two positions at the model's sizes (a kernel is built for its head counts and sizes).
+    A process started early does this before its turn, and the capture of train.cuda_graphs, which
+    runs every kernel first, no longer loads them. Returns whether there was anything to load."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if config.model_type not in MODEL_TYPES or getattr(config, "hidden_act", None) not in SILU or kernels() is None:
+        return False
+    with torch.enable_grad():
+        qkv = torch.zeros(1, 2, (heads + 2 * kv_heads) * dim, dtype=dtype, device=device, requires_grad=True)
+        rotation = torch.ones(1, 2, dim, dtype=dtype, device=device)
+        sum(x.sum() for x in RotaryQKV.apply(qkv, rotation, rotation, heads, kv_heads, dim)).backward()
+        gate_up = torch.zeros(2, 2 * config.intermediate_size, dtype=dtype, device=device, requires_grad=True)
+        SwiGLU.apply(gate_up).sum().backward()
+    return True
 
 
 def _runs_here(x: torch.Tensor) -> bool:
