@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing
+from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
-from stages.rl.modeling import (compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads,
-                                warm_fused_layers)
+from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.serialization import checkpoint_io
 from stages.rl.steps import optimizer_steps
 from stages.runtime import dist, local_checkpoints, markers
@@ -275,8 +274,28 @@ def preload(ctx: StageContext) -> None:
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
     preload_model_code(ctx)
-    warm_fused_layers(ctx)
+    rehearse_step(ctx)
     deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
+
+
+def rehearse_step(ctx: StageContext) -> None:
+    """On a GPU, before the turn: a micro-step of a one-layer model of the policy's architecture
+    (stages/rl/rehearsal.py), so that the first micro-batch finds its CUDA and Triton kernels loaded.
+    It only saves time: a failure is logged, and the first micro-batch loads the kernels itself."""
+    if not torch.cuda.is_available():
+        return
+    from transformers import AutoConfig
+
+    cfg = ctx.cfg
+    try:
+        config = AutoConfig.from_pretrained(ctx.base_model_path())
+        seconds = rehearsal.rehearse(config, DTYPES[cfg.model.dtype], cfg.model, cfg.train, cfg.generate.temperature,
+                                     device_for(ctx.info.local_rank))
+    except Exception as e:  # noqa: BLE001 (any failure here only costs the first micro-batch its loads)
+        log.warning("rehearsing a micro-step before the turn failed (%s: %s); the first micro-batch loads its "
+                    "kernels itself", type(e).__name__, e)
+        return
+    log.info("rehearsed a micro-step of a one-layer model before the turn in %.1fs: its kernels are loaded", seconds)
 
 
 def compile_models(engine, ref, backend: str, stage: int):

@@ -68,7 +68,9 @@ def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     ids = batch["input_ids"]
     if "cu_seq_lens" not in batch:
         with sdpa_kernel(PASS_BACKENDS):
-            logits = model(input_ids=ids).logits
+            # use_cache=False: transformers would otherwise keep every layer's keys and values of a
+            # pass that decodes nothing after it (and model.fused_layers takes only cache-free passes).
+            logits = model(input_ids=ids, use_cache=False).logits
         return token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
     logits = model(input_ids=ids, **packing.model_kwargs(batch)).logits
     # [T - 1, 1, V]: token_logprobs works through its float32 pass a few rows at a time.

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
 SILU = {"silu", "swish"}
-MODEL_TYPES = {"llama", "qwen2", "mistral"}  # their configs' model_type: the architectures above
 
 
 def fuse_layers(model) -> int:
@@ -62,26 +61,6 @@ def fuse_layers(model) -> int:
             module.forward = types.MethodType(_mlp_forward, module)
             n += 1
     return n
-
-
-def warm_up(config, dtype: torch.dtype, device) -> bool:
-    """Load the kernels for a model of `config` (an HF config) on `device`, compiling them the first
-    time on this machine (Triton keeps them in its cache directory): each runs once, forward and
-    backward, on two positions at the model's sizes (a kernel is built for its head counts and sizes).
-    A process started early does this before its turn, and the capture of train.cuda_graphs, which
-    runs every kernel first, no longer loads them. Returns whether there was anything to load."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if config.model_type not in MODEL_TYPES or getattr(config, "hidden_act", None) not in SILU or kernels() is None:
-        return False
-    with torch.enable_grad():
-        qkv = torch.zeros(1, 2, (heads + 2 * kv_heads) * dim, dtype=dtype, device=device, requires_grad=True)
-        rotation = torch.ones(1, 2, dim, dtype=dtype, device=device)
-        sum(x.sum() for x in RotaryQKV.apply(qkv, rotation, rotation, heads, kv_heads, dim)).backward()
-        gate_up = torch.zeros(2, 2 * config.intermediate_size, dtype=dtype, device=device, requires_grad=True)
-        SwiGLU.apply(gate_up).sum().backward()
-    return True
 
 
 def _runs_here(x: torch.Tensor) -> bool:

@@ -135,25 +135,6 @@ def preload_model_code(ctx) -> None:
     AutoModelForCausalLM._model_mapping[type(config)]  # the lookup imports the module
 
 
-def warm_fused_layers(ctx) -> None:
-    """model.fused_layers on a GPU: load this model's Triton kernels now (fused_layers.warm_up), in a
-    process started early, before its turn: on 1 H200 their first use added 0.3-0.4 s to train's
-    capture of the layers (docs/benchmarks.md)."""
-    if not (ctx.cfg.model.fused_layers and torch.cuda.is_available()):
-        return
-    import time
-
-    from transformers import AutoConfig
-
-    from stages.rl import fused_layers
-
-    t0 = time.time()
-    config = AutoConfig.from_pretrained(ctx.base_model_path())
-    device = torch.device("cuda", ctx.info.local_rank % torch.cuda.device_count())
-    if fused_layers.warm_up(config, DTYPES[ctx.cfg.model.dtype], device):
-        log.info("model.fused_layers: kernels loaded in %.1fs", time.time() - t0)
-
-
 def has_accelerate() -> bool:
     # transformers needs it for any device_map; without it a model loads on the host and is moved.
     return importlib.util.find_spec("accelerate") is not None

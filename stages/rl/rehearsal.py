@@ -1,0 +1,93 @@
+"""One training micro-step rehearsed on a one-layer model of the policy's architecture, before train's turn.
+
+CUDA loads a kernel the first time a process launches it. On 1 H200 the first micro-batch of a train
+process took 0.4 s against ~0.05 s for the others, nearly all of it in the first launch of each
+kernel of the log-probs, the loss, their backward and the optimizer step: 150 ms for logsumexp,
+10-40 ms each for square, exp, clamp, gather, masked_fill, the embedding's backward and more
+(docs/benchmarks.md, 2026-12-03). The Triton kernels of model.fused_layers are compiled or read from
+Triton's cache on first use too (0.5 s in a fresh process).
+
+A train process started early runs the same path once on a model with one decoder layer and the
+policy's widths, vocabulary and dtype (so the same kernel variants), on a packed or padded batch as
+train.remove_padding says: forward, log-probs, PPO-clip loss, backward, then a flat gradient norm,
+clipping and a fused AdamW step on float32 copies, as ZeRO's optimizer takes them. Nothing of it is
+kept but the loaded kernels. The policy, the engine and the process group are untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ROWS, PROMPT, COMPLETION = 8, 16, 112  # 1,024 positions: the shapes of a short micro-batch
+
+
+def rehearse(config, dtype: torch.dtype, model_cfg, train_cfg, temperature: float, device) -> float:
+    """Run the rehearsal on `device` for a policy of HF `config`; returns its seconds. The process's
+    random number generators are left as they were (the model's initialisation draws from them)."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _rehearse(config, dtype, model_cfg, train_cfg, temperature, device)
+
+
+def _rehearse(config, dtype, model_cfg, train_cfg, temperature, device) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl import packing
+    from stages.rl.batches import collate, sequence_logprobs
+    from stages.rl.loss import ppo_clip_loss
+    from stages.rl.modeling import fuse_rms_norms
+
+    t0 = time.time()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(one_layer(config), dtype=dtype).to(device)
+    if model_cfg.fused_rms_norm:
+        fuse_rms_norms(model)
+    if model_cfg.fused_layers:
+        from stages.rl.fused_layers import fuse_layers
+
+        fuse_layers(model)
+    if train_cfg.remove_padding:
+        packing.use_packed_attention(model)
+    model.train()
+    rows = synthetic_rows(config.vocab_size)
+    batch = packing.pack(rows, device) if train_cfg.remove_padding else collate(rows, device)
+    logp = sequence_logprobs(model, batch, temperature)
+    ref_logp = logp.detach() if train_cfg.kl_coef > 0 else None
+    loss, _ = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], train_cfg.clip_eps,
+                            ref_logp, train_cfg.kl_coef)
+    loss.backward()
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    for m, p in zip(masters, model.parameters()):
+        m.grad = p.grad.float()
+    grads = [m.grad for m in masters]
+    norm = torch.stack(torch._foreach_norm(grads)).float().square().sum().sqrt()
+    torch._foreach_mul_(grads, torch.clamp(train_cfg.max_grad_norm / (norm + 1e-6), max=1.0))
+    fused = {"fused": True} if device.type == "cuda" else {}
+    torch.optim.AdamW(masters, lr=1e-6, **fused).step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time() - t0
+
+
+def one_layer(config):
+    """A copy of `config` with one decoder layer (and per-layer lists cut to match)."""
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    for key in ("layer_types",):  # Qwen2/Mistral-style per-layer attention kinds
+        if isinstance(getattr(small, key, None), list):
+            setattr(small, key, getattr(small, key)[:1])
+    return small
+
+
+def synthetic_rows(vocab: int) -> list[dict]:
+    """ROWS rows of PROMPT + COMPLETION token ids in the vocabulary, with log-probs and advantages."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (ROWS, PROMPT + COMPLETION), generator=g).tolist()
+    return [{"prompt_ids": r[:PROMPT], "completion_ids": r[PROMPT:], "logprobs": [-1.0] * COMPLETION,
+             "advantage": 1.0 if i % 2 else -1.0} for i, r in enumerate(ids)]
