@@ -210,6 +210,8 @@ def test_two_iterations_with_captured_layers(tmp_path):
     for it in (0, 1):
         log = (run / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00000.log").read_text()
         assert "captured CUDA graphs of 24 layers" in log, log[-3000:]
+        # Started early, it rehearsed a micro-step before its turn (stages/rl/rehearsal.py), on the GPU.
+        assert "rehearsed a micro-step" in log and "micro-step before the turn failed" not in log, log[-3000:]
         train = json.loads((run / f"iter_{it:05d}" / "markers" / "train.done").read_text())
         assert train["cuda_graphs_s"] > 0 and abs(train["loss_mean"]) < 10 and 0 < train["grad_norm_mean"] < 1e3, train
 
