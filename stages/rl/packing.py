@@ -194,10 +194,12 @@ def fixed_shape(micro_batches: list[list[dict | None]], multiple: int = 64) -> P
     row of the fullest plus padding segments, as many as it takes for each micro-batch's padding to
     fit segments no longer than the longest row (rounded up to `multiple`); the most positions of any
     plus a position for each padding segment, rounded up to `multiple`."""
-    # (positions, rows) of each; an empty micro-batch packs as one masked row of 2 tokens
-    sizes = [(sum(map(row_width, real)), len(real)) if real else (2, 1)
-             for real in ([r for r in micro if r is not None] for micro in micro_batches)] or [(2, 1)]
-    widest = max(max((row_width(r) for micro in micro_batches for r in micro if r is not None), default=2), 2)
+    sizes, widest = [], 2  # (positions, rows) of each; an empty micro-batch packs as one masked row of 2 tokens
+    for micro in micro_batches:
+        widths = [row_width(r) for r in micro if r is not None] or [2]
+        sizes.append((sum(widths), len(widths)))
+        widest = max(widest, *widths)
+    sizes = sizes or [(2, 1)]
     longest = -(-widest // multiple) * multiple
     most_rows, most_positions = max(r for _, r in sizes), max(t for t, _ in sizes)
     for extra in range(1, len(sizes) * most_positions + 2):
