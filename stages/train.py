@@ -273,22 +273,19 @@ def preload(ctx: StageContext) -> None:
             importlib.import_module(name)
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
-    preload_model_code(ctx)
-    rehearse_step(ctx)
+    rehearse_step(ctx, preload_model_code(ctx))
     deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
 
 
-def rehearse_step(ctx: StageContext) -> None:
+def rehearse_step(ctx: StageContext, config) -> None:
     """On a GPU, before the turn: a micro-step of a one-layer model of the policy's architecture
-    (stages/rl/rehearsal.py), so that the first micro-batch finds its CUDA and Triton kernels loaded.
-    It only saves time: a failure is logged, and the first micro-batch loads the kernels itself."""
+    (`config`, the base model's; stages/rl/rehearsal.py), so that the first micro-batch finds its CUDA
+    and Triton kernels loaded. It only saves time: a failure is logged, and the first micro-batch
+    loads the kernels itself."""
     if not torch.cuda.is_available():
         return
-    from transformers import AutoConfig
-
     cfg = ctx.cfg
     try:
-        config = AutoConfig.from_pretrained(ctx.base_model_path())
         seconds = rehearsal.rehearse(config, DTYPES[cfg.model.dtype], cfg.model, cfg.train, cfg.generate.temperature,
                                      device_for(ctx.info.local_rank))
     except Exception as e:  # noqa: BLE001 (any failure here only costs the first micro-batch its loads)

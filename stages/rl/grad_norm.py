@@ -47,12 +47,18 @@ class FlatGradNorm:
 
     def _clipped_step(self, *args, **kwargs):
         grads = [p.grad for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None]
-        squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size(self.process_group) > 1:
-            torch.distributed.all_reduce(squares, group=self.process_group)
-        self.norm = squares.sqrt()
-        if self.max_norm > 0:
-            # No host sync: the factor stays on the device, 1 when the norm is within the bound.
-            scale = torch.clamp(self.max_norm / (self.norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, scale)
+        self.norm = clip_(grads, self.max_norm, self.process_group)
         return self._step(*args, **kwargs)
+
+
+def clip_(grads: list[torch.Tensor], max_norm: float, process_group=None) -> torch.Tensor:
+    """The norm of `grads` (summed over `process_group`'s ranks, each holding a partition), and the
+    gradients scaled in place to at most `max_norm` (0: not clipped); the norm stays on the device."""
+    squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(process_group) > 1:
+        torch.distributed.all_reduce(squares, group=process_group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        # No host sync: the factor stays on the device, 1 when the norm is within the bound.
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm

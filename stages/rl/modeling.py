@@ -126,13 +126,15 @@ def repeated_blocks(model, key: str, off: str) -> list:
     return blocks
 
 
-def preload_model_code(ctx) -> None:
+def preload_model_code(ctx):
     """Import transformers and the policy's architecture module (seconds of a stage's start-up) ahead
-    of time; the base model's config names the architecture every later export shares."""
+    of time; the base model's config names the architecture every later export shares. Returns that
+    config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(ctx.base_model_path())
     AutoModelForCausalLM._model_mapping[type(config)]  # the lookup imports the module
+    return config
 
 
 def has_accelerate() -> bool:

@@ -38,7 +38,7 @@ def rehearse(config, dtype: torch.dtype, model_cfg, train_cfg, temperature: floa
 def _rehearse(config, dtype, model_cfg, train_cfg, temperature, device) -> float:
     from transformers import AutoModelForCausalLM
 
-    from stages.rl import packing
+    from stages.rl import grad_norm, packing
     from stages.rl.batches import collate, sequence_logprobs
     from stages.rl.loss import ppo_clip_loss
     from stages.rl.modeling import fuse_rms_norms
@@ -65,9 +65,8 @@ def _rehearse(config, dtype, model_cfg, train_cfg, temperature, device) -> float
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
     for m, p in zip(masters, model.parameters()):
         m.grad = p.grad.float()
-    grads = [m.grad for m in masters]
-    norm = torch.stack(torch._foreach_norm(grads)).float().square().sum().sqrt()
-    torch._foreach_mul_(grads, torch.clamp(train_cfg.max_grad_norm / (norm + 1e-6), max=1.0))
+    # One process of its own: no process group yet, so clip_ reduces nothing.
+    grad_norm.clip_([m.grad for m in masters], train_cfg.max_grad_norm)
     fused = {"fused": True} if device.type == "cuda" else {}
     torch.optim.AdamW(masters, lr=1e-6, **fused).step()
     if device.type == "cuda":
