@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal
+from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal, step_records
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -342,6 +342,13 @@ def deepspeed_config(ctx: StageContext, warn: bool = True) -> dict:
         params["weight_decay"] = t.weight_decay
     if t.grad_norm == "flat":
         ds = grad_norm.deepspeed_settings(ds)
+    zero = ds.get("zero_optimization", {})
+    if ctx.world_size == 1 and zero.get("stage") in (1, 2) and zero.get("overlap_comm"):
+        # One rank has no gradients to exchange, so there is nothing to overlap; ZeRO 1-2's overlap
+        # makes the host wait for the GPU before each reduction bucket (docs/benchmarks.md).
+        ds["zero_optimization"] = {**zero, "overlap_comm": False}
+        if warn:
+            log.info("%s: overlap_comm off on a single rank (no gradient exchange to overlap)", t.deepspeed_config)
     return ds
 
 
@@ -425,8 +432,16 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
                    ctx.rank)
     passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
     # Where the host's time goes (the GPU runs behind it): building and sending batches, forward and
-    # backward, the optimizer step, and each step's record, which waits for the GPU to catch up.
+    # backward, the optimizer step, and each step's record (read a step late: step_records.py).
     host = dict.fromkeys(("batches_s", "forward_backward_s", "optimizer_step_s", "step_records_s"), 0.0)
+    records = step_records.StepRecords()
+
+    def keep(record: dict | None, t0: float) -> None:
+        if record is not None:
+            history.append(record)
+            check_gradient(ctx, record)
+        host["step_records_s"] += time.perf_counter() - t0
+
     first = time.time()
     for step in steps:
         pending, step_tokens = [], 0
@@ -458,9 +473,9 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
                     torch.cuda.synchronize(device)
                 totals["first_micro_batch_s"], first = time.time() - first, None
         t0 = time.perf_counter()
-        history.append(_step_record(engine, pending, step_tokens, norm))
-        host["step_records_s"] += time.perf_counter() - t0
-        check_gradient(ctx, engine, history[-1])
+        flat = norm.norm if norm is not None else None
+        keep(records.add(pending, step_records.host_fields(engine, step_tokens, flat is not None), flat), t0)
+    keep(records.last(), time.perf_counter())
     bar.close()
     if fixed is not None:
         cuda_graphs.release_layers(engine.module)  # their memory, for the checkpoint's copy
@@ -492,18 +507,19 @@ def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -
     return shape
 
 
-def check_gradient(ctx: StageContext, engine, record: dict) -> None:
+def check_gradient(ctx: StageContext, record: dict) -> None:
     """Stop at an optimizer step whose gradient norm is not finite, unless DeepSpeed skipped it.
 
     configs/ds_zero2_gpu.json turns DeepSpeed's bf16 overflow check off (a per-parameter inf/NaN
     pass and a device sync in every step: 35 of 54 ms of a step on 1 H200, docs/benchmarks.md); the
-    gradient norm it computes anyway shows the same thing. All ranks see the same all-reduced norm and
-    stop together; the marker and checkpoint are not written, so the previous iteration's stay as
-    they were."""
+    gradient norm it computes anyway shows the same thing. A step's record is read while the next
+    step runs (step_records.py), so the stop comes one step later; all ranks see the same
+    all-reduced norm and stop together; the marker and checkpoint are not written, so the previous
+    iteration's stay as they were."""
     norm = record.get("grad_norm")
     if norm is None or math.isfinite(norm):
         return
-    if getattr(engine.optimizer, "overflow", False):
+    if record.get("skipped"):
         log.warning("optimizer step %d: gradient norm %s, step skipped by DeepSpeed's overflow check",
                     record["step"], norm)
         return
@@ -533,24 +549,6 @@ def micro_step(engine, ref, batch: dict, t, temperature: float, normalizer: floa
                                   t.clip_eps, ref_logp, t.kl_coef, normalizer=scale)
     engine.backward(loss)
     return loss, metrics
-
-
-def _step_record(engine, pending: list[dict], tokens: int, norm: grad_norm.FlatGradNorm | None = None) -> dict:
-    """Means of one optimizer step's micro-batch metrics, read from the GPU in a single transfer
-    (with the gradient norm when train.grad_norm is flat)."""
-    keys = list(pending[0])
-    rows = [torch.stack([m[k].float() for k in keys]) for m in pending]
-    values = torch.stack(rows).mean(0)
-    if norm is not None and norm.norm is not None:
-        keys, values = keys + ["grad_norm"], torch.cat([values, norm.norm.reshape(1).to(values)])
-    rec = dict(zip(keys, values.tolist()))
-    rec["tokens"] = tokens
-    rec["step"] = engine.global_steps
-    if norm is None:
-        value = engine.get_global_grad_norm()
-        rec["grad_norm"] = float(value) if value is not None else None
-    rec["lr"] = engine.get_lr()[0] if engine.get_lr() else None
-    return rec
 
 
 def _history_means(history: list[dict]) -> dict:

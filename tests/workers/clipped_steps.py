@@ -4,8 +4,8 @@ and each step's gradient norm written to a file.
 Run as `python -m tests.workers.clipped_steps MODEL_DIR OUT_FILE key=value ...` with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Builds train's real DeepSpeed engine (its config, its
 optimizer, train.grad_norm's norm; gloo on CPU), runs every optimizer step of 24 synthetic rows
-through stages.train.micro_step and engine.step, records each step as train does
-(stages.train._step_record), and rank 0 saves the final weights and the step records.
+through stages.train.micro_step and engine.step, records each step as train does (a step late:
+stages/rl/step_records.py), and rank 0 saves the final weights and the step records.
 """
 
 from __future__ import annotations
@@ -21,19 +21,22 @@ def main() -> int:
 
     from stages.rl import packing
     from stages.rl.steps import optimizer_steps
-    from stages.train import _step_record, flat_grad_norm, micro_step
+    from stages.rl.step_records import StepRecords, host_fields
+    from stages.train import flat_grad_norm, micro_step
     from tests.workers.step_gradients import train_engine, train_rows
 
     cfg, ctx, engine = train_engine(model_dir, overrides)
     norm = flat_grad_norm(ctx, engine)
-    records = []
+    records, staged = [], StepRecords()
     for step in optimizer_steps(train_rows(24, seed=3), ctx):
         pending = []
         for micro in step.micro_batches:
             loss, metrics = micro_step(engine, None, packing.pack(micro, torch.device("cpu")), cfg.train, 1.0)
             pending.append({"loss": loss.detach(), **metrics})
             engine.step()
-        records.append(_step_record(engine, pending, 0, norm))
+        flat = norm.norm if norm is not None else None
+        records.append(staged.add(pending, host_fields(engine, 0, flat is not None), flat))
+    records = records[1:] + [staged.last()]
     if ctx.rank == 0:
         weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
         torch.save({"weights": weights, "records": records}, out)
