@@ -7,6 +7,7 @@ rounds after every operation: they agree within bf16's reach.
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,10 +82,30 @@ def assert_close(got, want, exact, what):
 
 
 @pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+def lay_out_flat(model) -> None:
+    """`model`'s parameters moved into one buffer in the order they were registered, as DeepSpeed's
+    ZeRO 1-2 lays them out (tests/workers/flat_layout.py checks DeepSpeed's own)."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_layers_give_hfs_logits_and_gradients(kernels_on, kind):
+@pytest.mark.parametrize("layout", ["own", "flat"])
+def test_fused_layers_give_hfs_logits_and_gradients(kernels_on, kind, layout):
     device = kernels_on
     plain, fused, reference = models_and_reference(kind, device)
+    if layout == "flat":
+        lay_out_flat(fused)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    # Llama's q, k, v weights (and gate, up) are back to back in a flat buffer, and the fused layers
+    # take them as one view; Qwen2's biases sit between them, so those are concatenated.
+    viewed = layout == "flat" and kind == "llama"
+    assert fused_layers.adjacent([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) == viewed
+    assert fused_layers.adjacent([mlp.gate_proj.weight, mlp.up_proj.weight]) == (layout == "flat")
     models_ = (plain, fused) if device == "cpu" else (plain, fused, reference)
 
     def compare(keep=None, **inputs):
@@ -107,6 +128,17 @@ def test_fused_layers_give_hfs_logits_and_gradients(kernels_on, kind):
         packing.use_packed_attention(model)
     batch = packing.pack(train_rows(5, seed=3), device)
     compare(input_ids=batch["input_ids"], **packing.model_kwargs(batch))
+
+
+def test_joined_weights_are_a_view_where_adjacent_and_split_the_gradient():
+    flat = torch.arange(24.0, requires_grad=True)
+    a, b = flat[:8].view(2, 4), flat[8:20].view(3, 4)
+    both = fused_layers.joined([a, b])
+    assert both.data_ptr() == a.data_ptr() and torch.equal(both, torch.cat([a, b]))  # no copy
+    (both * torch.arange(20.0).view(5, 4)).sum().backward()
+    assert torch.equal(flat.grad, torch.cat([torch.arange(20.0), torch.zeros(4)]))
+    apart = fused_layers.joined([b, a])  # out of order: a copy, the same values
+    assert apart.data_ptr() != b.data_ptr() and torch.equal(apart, torch.cat([b, a]))
 
 
 def test_decoding_with_a_cache_runs_hfs_forward(kernels_on, monkeypatch):
@@ -143,3 +175,19 @@ def test_a_head_size_that_is_not_a_power_of_two(kernels_on):
     with pytest.raises(ValueError, match="head size is 13: set model.fused_layers=false"):
         fused_layers.RotaryQKV.apply(torch.randn(1, 3, 3 * 13), sin[:1, :3, :13], sin[:1, :3, :13], 1, 1, 13)
 
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_deepspeed_keeps_the_joined_weights_back_to_back(tmp_path, zero):
+    # Real DeepSpeed (gloo on the host, 2 ranks: each holds the whole bf16/fp32 model in one flat
+    # buffer, and a partition of the optimizer's copy).
+    from stages.rl.tiny_model import create_base_model
+    from tests.test_train_batching import run_workers
+
+    model_dir = create_base_model(tmp_path / "base", "tiny-llama", seed=0)
+    ds = tmp_path / "ds.json"
+    source = Path(__file__).resolve().parents[1] / "configs" / "ds_zero2_cpu.json"
+    ds.write_text(source.read_text().replace('"stage": 2', f'"stage": {zero}'))
+    got = run_workers("tests.workers.flat_layout", tmp_path, model_dir, 2,
+                      [f"train.deepspeed_config={ds}", "train.remove_padding=true"], f"z{zero}")
+    assert got["before"] == got["after"] == [(True, True)] * len(got["before"]) and got["before"]

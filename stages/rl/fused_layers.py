@@ -10,8 +10,10 @@ SiLU-times-up three more, each reading and writing a full activation (docs/bench
     and one writes the three gradients back into the product's layout;
   - gate and up likewise come from one product, and one kernel each way computes SiLU(gate) * up and
     its two gradients, in float32, from the product's output alone.
-The parameters, their names and the checkpoint stay HF's: the concatenation is of the weights as
-they are, each forward (copies a few MB a layer), and its backward hands each weight its own slice.
+The parameters, their names and the checkpoint stay HF's. Where the weights lie back to back in one
+buffer, as DeepSpeed's ZeRO 1-2 lays a module's parameters out in the order they were registered
+(q, k, v; gate, up), the concatenation is a view of that buffer; elsewhere it is a copy, each
+forward (a few MB a layer). Either way its backward hands each weight its own slice.
 
 The fused forward runs where the kernels run (CUDA, or Triton's interpreter on the host for the
 tests: TRITON_INTERPRET=1 set before the first use) and only for a whole-sequence pass (no KV cache:
@@ -76,8 +78,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
     heads, kv_heads = self.q_proj.out_features // self.head_dim, self.k_proj.out_features // self.head_dim
     projections = (self.q_proj, self.k_proj, self.v_proj)
-    bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
-    qkv = F.linear(hidden_states, torch.cat([p.weight for p in projections]), bias)
+    bias = joined([p.bias for p in projections]) if self.q_proj.bias is not None else None
+    qkv = F.linear(hidden_states, joined([p.weight for p in projections]), bias)
     cos, sin = position_embeddings
     q, k, v = RotaryQKV.apply(qkv, cos, sin, heads, kv_heads, self.head_dim)  # each [B, T, heads, D]
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
@@ -94,9 +96,42 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 def _mlp_forward(self, x):
     if not _runs_here(x):
         return type(self).forward(self, x)
-    bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None else None
-    gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]), bias)
+    bias = joined([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None else None
+    gate_up = F.linear(x, joined([self.gate_proj.weight, self.up_proj.weight]), bias)
     return self.down_proj(SwiGLU.apply(gate_up))
+
+
+def joined(tensors: list) -> torch.Tensor:
+    """torch.cat(tensors) (along the first dimension): a view where they lie back to back in one
+    storage, else a copy."""
+    return _Adjacent.apply(*tensors) if adjacent(tensors) else torch.cat(tensors)
+
+
+def adjacent(tensors: list) -> bool:
+    """Whether `tensors` (contiguous, of one dtype and the same trailing shape) lie back to back in
+    one storage, in this order."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+            return False
+        offset += t.numel()
+    return True
+
+
+class _Adjacent(torch.autograd.Function):
+    """Adjacent tensors as the one tensor they span; its gradient split back into theirs."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.rows = [t.shape[0] for t in tensors]
+        first = tensors[0]
+        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride(), first.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.split(ctx.rows)
 
 
 class RotaryQKV(torch.autograd.Function):
