@@ -273,8 +273,10 @@ def preload(ctx: StageContext) -> None:
             importlib.import_module(name)
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
-    rehearse_step(ctx, preload_model_code(ctx))
+    # The host memory for the snapshot fills in a thread of its own (seconds, mostly outside the GIL):
+    # started first, so that the rehearsal's seconds overlap it and it is done before the turn.
     deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
+    rehearse_step(ctx, preload_model_code(ctx))
 
 
 def rehearse_step(ctx: StageContext, config) -> None:

@@ -19,6 +19,10 @@ import torch
 from stages.rl.modeling import repeated_blocks
 from stages.rl.packing import PackedShape
 
+# Eager forward and backward passes of each layer before its capture (make_graphed_callables' own
+# default): lazy initialisation must not happen inside a capture.
+WARMUP_PASSES = 3
+
 
 def capture_layers(model, shape: PackedShape, device) -> int:
     """Capture a forward and a backward graph for each decoder layer of `model` (an HF causal LM, its
@@ -42,7 +46,7 @@ def capture_layers(model, shape: PackedShape, device) -> int:
         # cannot make that stream wait on it.
         args.append((hidden.requires_grad_(), cos, sin, cu) + tuple(p.detach().requires_grad_() for p in params))
     try:
-        graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args))
+        graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args), num_warmup_iters=WARMUP_PASSES)
     except RuntimeError as e:  # an operation that cannot be captured (a host sync, a new allocation pattern)
         raise RuntimeError(f"train.cuda_graphs: capturing the {len(blocks)} {type(blocks[0]).__name__} layers at "
                            f"{shape.positions} positions failed ({e}); set train.cuda_graphs=false") from e
