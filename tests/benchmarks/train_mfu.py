@@ -23,7 +23,9 @@ a bound, not a setting train offers) and flatnorm (the norm and clipping on the 
 instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
 the MLP's gate/up each one matrix product, the rotary embedding and SiLU-times-up Triton kernels:
 model.fused_layers) and onebucket (ZeRO's reduce_bucket_size at 5e8, above small-llama's parameters: one
-bucket flush, and one device sync, per backward instead of one per 2e8 elements).
+bucket flush, and one device sync, per backward instead of one per 2e8 elements), contiguous
+(ZeRO's contiguous_gradients on, which configs/ds_zero2_gpu.json turns off: each gradient copied
+into a bucket buffer as it comes, instead of flattened and copied back around the reduction).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -58,14 +60,14 @@ def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "graphs": False,
          "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False,
-         "name": text}
+         "contiguous": False, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket"):
+                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "contiguous"):
             v[part] = True
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
@@ -187,6 +189,8 @@ def main() -> int:
             ds["zero_optimization"]["reduce_bucket_size"] = 5e8
         if v["scattered"]:
             ds["zero_optimization"]["contiguous_gradients"] = False
+        if v["contiguous"]:
+            ds["zero_optimization"]["contiguous_gradients"] = True
         if v["nocheck"]:
             ds.setdefault("bf16", {})["check_grad_overflow"] = False
         if v["nonorm"] or v["flatnorm"]:  # DeepSpeed's own norm and clipping off
