@@ -317,7 +317,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         print("  CUDA graphs s        ", col("train", "cuda_graphs_s", "{:>9.1f}"),
               "  (of the update: train.cuda_graphs capturing the layers)")
     if all(r["train"]["host_forward_backward_s"] is not None for r in per_it):
-        print("  the update's host time, rank 0 (s; the GPU runs behind the host, a step's record waits for it):")
+        print("  the update's host time, rank 0 (s; the GPU runs behind the host: where the host waits for it, "
+              "that part carries the GPU's time):")
         for k, label in UPDATE_HOST.items():
             print(f"    {label:<19}", col("train", f"host_{k}", "{:>9.1f}"))
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
