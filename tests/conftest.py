@@ -1,11 +1,15 @@
 # The `slurm_cluster` fixture (a real 2-node SLURM cluster on this machine) for tests marked `slurm`,
-# and `tiny_run`: one undisturbed run that several modules inspect or compare against.
+# `tiny_run`: one undisturbed run that several modules inspect or compare against, and the grouping
+# that lets pytest-xdist (`-n 2`) run the suite on two workers.
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from filelock import FileLock
 
 pytest_plugins = ["tests.slurm_fixture"]
 
@@ -17,12 +21,34 @@ TINY_RUN = ["configs/local_tiny.yaml", "iterations=2", "start_early=always", "da
             "generate.attempts=4", "train.micro_batch_size=16"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(items):
+    """Groups for `--dist loadgroup`: every test of the SLURM cluster in one group, run in order by one
+    worker (some stop a node or fill the cluster), and every other module as a group of its own, so
+    that a module's fixtures are built once."""
+    for item in items:
+        on_cluster = item.get_closest_marker("slurm") or "slurm_cluster" in item.fixturenames
+        item.add_marker(pytest.mark.xdist_group("slurm" if on_cluster else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`syncrl run` of TINY_RUN with the local launcher, once per test session (about 35 s on 2 cores):
-    .dir, and .proc (its CompletedProcess). Tests read it; one that changes it works on a copy."""
-    run_dir = tmp_path_factory.mktemp("tiny_run") / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", TINY_RUN[0], f"run_dir={run_dir}", *TINY_RUN[1:],
-                           "--launcher", "local"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    .dir, and .proc (its CompletedProcess). Tests read it; one that changes it works on a copy.
+    Under pytest-xdist the first worker to ask makes it and the others wait for it and read it."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the folder the workers' own temp folders share
+    run_dir, result = base / "tiny_run" / "run", base / "tiny_run" / "result.json"
+    command = [sys.executable, "-m", "jobs.cli", "run", TINY_RUN[0], f"run_dir={run_dir}", *TINY_RUN[1:],
+               "--launcher", "local"]
+    with FileLock(str(base / "tiny_run.lock"), timeout=900):
+        if not result.is_file():
+            result.parent.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            result.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                                          "stderr": proc.stderr}))
+    done = json.loads(result.read_text())
+    proc = subprocess.CompletedProcess(command, done["returncode"], done["stdout"], done["stderr"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return SimpleNamespace(dir=run_dir, proc=proc)
