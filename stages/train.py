@@ -266,13 +266,17 @@ def preload(ctx: StageContext) -> None:
     and score run."""
     import importlib
 
+    t0 = time.time()
     import deepspeed  # noqa: F401 (the import is the point)
 
+    t1 = time.time()
     for name in DEEPSPEED_LAZY_IMPORTS:
         try:
             importlib.import_module(name)
         except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
             log.debug("preload: %s not in this DeepSpeed", name)
+    log.info("preload: deepspeed imported in %.1fs, the modules its initialize imports in %.1fs", t1 - t0,
+             time.time() - t1)
     # The host memory for the snapshot fills in a thread of its own (seconds, mostly outside the GIL):
     # started first, so that the rehearsal's seconds overlap it and it is done before the turn.
     deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
@@ -475,8 +479,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
                     torch.cuda.synchronize(device)
                 totals["first_micro_batch_s"], first = time.time() - first, None
         t0 = time.perf_counter()
-        flat = norm.norm if norm is not None else None
-        keep(records.add(pending, step_records.host_fields(engine, step_tokens, flat is not None), flat), t0)
+        keep(records.add_step(engine, pending, step_tokens, norm), t0)
     keep(records.last(), time.perf_counter())
     bar.close()
     if fixed is not None:

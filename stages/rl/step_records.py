@@ -36,6 +36,12 @@ class StepRecords:
         previous, self._staged = self._staged, _stage(pending, fields, norm)
         return None if previous is None else _read(previous)
 
+    def add_step(self, engine, pending: list[dict], tokens: int, norm=None) -> dict | None:
+        """`add` for the optimizer step `engine` just took over `tokens` loss tokens; `norm`: train's
+        flat gradient norm (stages/rl/grad_norm.FlatGradNorm), or None where DeepSpeed's is the one."""
+        value = norm.norm if norm is not None else None
+        return self.add(pending, host_fields(engine, tokens, value is not None), value)
+
     def last(self) -> dict | None:
         """The last staged step's record (waits for the GPU to reach it)."""
         staged, self._staged = self._staged, None

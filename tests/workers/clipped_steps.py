@@ -21,7 +21,7 @@ def main() -> int:
 
     from stages.rl import packing
     from stages.rl.steps import optimizer_steps
-    from stages.rl.step_records import StepRecords, host_fields
+    from stages.rl.step_records import StepRecords
     from stages.train import flat_grad_norm, micro_step
     from tests.workers.step_gradients import train_engine, train_rows
 
@@ -34,8 +34,7 @@ def main() -> int:
             loss, metrics = micro_step(engine, None, packing.pack(micro, torch.device("cpu")), cfg.train, 1.0)
             pending.append({"loss": loss.detach(), **metrics})
             engine.step()
-        flat = norm.norm if norm is not None else None
-        records.append(staged.add(pending, host_fields(engine, 0, flat is not None), flat))
+        records.append(staged.add_step(engine, pending, 0, norm))
     records = records[1:] + [staged.last()]
     if ctx.rank == 0:
         weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
