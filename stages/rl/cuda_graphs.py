@@ -19,9 +19,11 @@ import torch
 from stages.rl.modeling import repeated_blocks
 from stages.rl.packing import PackedShape
 
-# Eager forward and backward passes of each layer before its capture (make_graphed_callables' own
-# default): lazy initialisation must not happen inside a capture.
-WARMUP_PASSES = 3
+# Eager forward and backward passes of each layer before its capture: lazy initialisation (kernel
+# loads, cuBLAS workspaces, autotuning) must not happen inside a capture, and one pass does all of it.
+# Against make_graphed_callables' default of 3 it cut the capture from 0.4 to 0.2 s per iteration
+# on 1 x H200, the GPU tests of captured layers passing (docs/benchmarks.md, fifteenth session).
+WARMUP_PASSES = 1
 
 
 def capture_layers(model, shape: PackedShape, device) -> int:
