@@ -86,11 +86,13 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
     out = run(["tests/benchmarks/gpu_pipeline.py", "--report-only", "--iterations", "2", "--run-dir",
                str(tiny_run.dir), "--json", str(tmp_path / "pipe.json")], timeout=600)
     for needle in ("wall time per stage", "train start-up phases", "deepspeed_initialize", "checkpoint GB/s",
-                   "start-up per stage", "non-compute share", "tensors differ from base", "process exit"):
+                   "start-up per stage", "non-compute share", "tensors differ from base", "process exit",
+                   "preload past turn s"):
         assert needle in out, needle
     import json
     figures = json.loads((tmp_path / "pipe.json").read_text())
     assert 0 < figures["non_compute_share"][0] < 1 and figures["checkpoint_bytes"] > 0
+    assert all(it["train"]["preload_late_s"] >= 0 for it in figures["iterations"])
     exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
     assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save", "persist"]) and min(exits.values()) >= 0
 

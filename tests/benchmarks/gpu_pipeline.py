@@ -242,6 +242,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "mfu": flops / (train_s * world * peak),
                 "mfu_positions": (6 * n_params * positions / (train_s * world * peak)) if positions else None,
                 "mfu_model": tr.get("mfu"), "import_s": max(r.get("import_s", 0.0) for r in train),
+                # Started early: how long its preload ran past its turn (on the critical path).
+                "preload_late_s": max(r.get("started_early_late_s", 0.0) for r in train),
                 # train.deferred_checkpoint: the copy to host memory before the marker, the write after it.
                 "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
                 "write_after_s": deferred_write_s(run_dir, it),
@@ -309,6 +311,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))
     print("  positions run        ", col("train", "positions", "{:>9d}"))
     print("  imports s            ", col("train", "import_s", "{:>9.1f}"))
+    print("  preload past turn s  ", col("train", "preload_late_s", "{:>9.1f}"),
+          "  (started early: its imports, host memory and rehearsal still running at its turn)")
     print("  engine start-up s    ", col("train", "startup_s", "{:>9.1f}"))
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
     print("  first micro-batch s  ", col("train", "first_micro_batch_s", "{:>9.1f}"),
