@@ -12,8 +12,8 @@ gc (gradient checkpointing),
 kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile), fused
 (torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm), foreach (torch's multi-tensor
 AdamW instead of the fused one that configs/ds_zero2_gpu.json asks for with `"fused": true`),
-packed (each micro-batch's rows as one sequence, train.remove_padding), serial and scattered
-(ZeRO's overlap_comm and contiguous_gradients off: fewer operations per parameter in the backward),
+packed (each micro-batch's rows as one sequence, train.remove_padding), serial (ZeRO's
+overlap_comm off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
 inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
@@ -23,9 +23,10 @@ a bound, not a setting train offers) and flatnorm (the norm and clipping on the 
 instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
 the MLP's gate/up each one matrix product, the rotary embedding and SiLU-times-up Triton kernels:
 model.fused_layers) and onebucket (ZeRO's reduce_bucket_size at 5e8, above small-llama's parameters: one
-bucket flush, and one device sync, per backward instead of one per 2e8 elements), contiguous
-(ZeRO's contiguous_gradients on, which configs/ds_zero2_gpu.json turns off: each gradient copied
-into a bucket buffer as it comes, instead of flattened and copied back around the reduction).
+bucket flush, and one device sync, per backward instead of one per 2e8 elements), and contiguous
+or scattered (ZeRO's contiguous_gradients on or off; configs/ds_zero2_gpu.json has it off: on, each
+gradient is copied into a bucket buffer as it comes, instead of flattened and copied back around
+the reduction).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -58,17 +59,19 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
-         "packed": False, "serial": False, "scattered": False, "layers": False, "nocheck": False, "graphs": False,
+         "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
          "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False,
-         "contiguous": False, "name": text}
+         "contiguous_gradients": None, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "scattered", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "contiguous"):
+        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck",
+                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket"):
             v[part] = True
+        elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
+            v["contiguous_gradients"] = part == "contiguous"
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
     if v["graphs"] and not v["packed"]:
@@ -187,10 +190,8 @@ def main() -> int:
             ds["zero_optimization"]["overlap_comm"] = False
         if v["onebucket"]:  # small-llama's gradients in one reduction bucket: one flush (and device sync) a step
             ds["zero_optimization"]["reduce_bucket_size"] = 5e8
-        if v["scattered"]:
-            ds["zero_optimization"]["contiguous_gradients"] = False
-        if v["contiguous"]:
-            ds["zero_optimization"]["contiguous_gradients"] = True
+        if v["contiguous_gradients"] is not None:
+            ds["zero_optimization"]["contiguous_gradients"] = v["contiguous_gradients"]
         if v["nocheck"]:
             ds.setdefault("bf16", {})["check_grad_overflow"] = False
         if v["nonorm"] or v["flatnorm"]:  # DeepSpeed's own norm and clipping off
