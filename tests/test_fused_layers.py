@@ -81,7 +81,6 @@ def assert_close(got, want, exact, what):
         assert err <= 2 * hf_err + 0.01 * exact.norm() + 1e-6, (what, err / exact.norm(), hf_err / exact.norm())
 
 
-@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
 def lay_out_flat(model) -> None:
     """`model`'s parameters moved into one buffer in the order they were registered, as DeepSpeed's
     ZeRO 1-2 lays them out (tests/workers/flat_layout.py checks DeepSpeed's own)."""
@@ -93,6 +92,7 @@ def lay_out_flat(model) -> None:
         offset += p.numel()
 
 
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("layout", ["own", "flat"])
 def test_fused_layers_give_hfs_logits_and_gradients(kernels_on, kind, layout):
