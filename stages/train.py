@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal, step_records
+from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal, single_rank, step_records
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -107,6 +107,7 @@ def set_up(ctx: StageContext) -> TrainRun:
             optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                           model_parameters=None if optimizer else model.parameters())
+        single_rank.skip_gradient_reduction(engine)
         norm = flat_grad_norm(ctx, engine)
         if t.compile != "eager":
             ref = compile_models(engine, ref, t.compile, zero_stage(ds_config))

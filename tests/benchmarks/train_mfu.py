@@ -26,7 +26,8 @@ model.fused_layers) and onebucket (ZeRO's reduce_bucket_size at 5e8, above small
 bucket flush, and one device sync, per backward instead of one per 2e8 elements), and contiguous
 or scattered (ZeRO's contiguous_gradients on or off; configs/ds_zero2_gpu.json has it off: on, each
 gradient is copied into a bucket buffer as it comes, instead of flattened and copied back around
-the reduction).
+the reduction), and noreduce (on one rank, ZeRO's gradient reduction skipped, as train does:
+stages/rl/single_rank.py).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -60,7 +61,7 @@ DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.jso
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
-         "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False,
+         "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False, "noreduce": False,
          "contiguous_gradients": None, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
@@ -68,7 +69,7 @@ def parse_variant(text: str) -> dict:
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket"):
+                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "noreduce"):
             v[part] = True
         elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
             v["contiguous_gradients"] = part == "contiguous"
@@ -164,7 +165,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import cuda_graphs, flops, grad_norm, packing
+    from stages.rl import cuda_graphs, flops, grad_norm, packing, single_rank
     from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -216,6 +217,8 @@ def main() -> int:
                     packing.use_packed_attention(m)
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
         flat_norm = grad_norm.FlatGradNorm(engine, 1.0) if v["flatnorm"] else None
+        if v["noreduce"] and not single_rank.skip_gradient_reduction(engine):
+            raise SystemExit(f"{v['name']}: noreduce needs one rank and ZeRO 1-2 without contiguous gradients")
         if v["compile"]:
             engine.compile()
         if v["layers"]:
