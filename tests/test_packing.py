@@ -180,3 +180,19 @@ def test_compile_layers_names_a_model_without_repeated_blocks():
 
     with pytest.raises(ValueError, match="train.compile=eager"):
         compile_layers(torch.nn.Linear(2, 2), "aot_eager")
+
+
+def test_the_kernels_layout_and_its_gradient_are_views_of_the_fused_layers_tensors():
+    # The fused layers' q is a contiguous [1, T, H, D], handed to attention transposed as [1, H, T, D].
+    q = torch.randn(1, 7, 3, 4, requires_grad=True)
+    x = q.transpose(1, 2)
+    out = packing.token_major(x)
+    assert out.shape == (7, 3, 4) and torch.equal(out, x[0].transpose(0, 1))
+    assert out.data_ptr() == q.data_ptr()  # no copy forward
+    grad = torch.randn(7, 3, 4)
+    with torch.profiler.profile() as prof:
+        (g,) = torch.autograd.grad(out, q, grad)
+    # Backward: the gradient comes back in q's own layout, no zeros filled and none copied in.
+    assert torch.equal(g, grad.unsqueeze(0))
+    ops = {e.key for e in prof.key_averages()}
+    assert not ops & {"aten::select_backward", "aten::zeros", "aten::copy_", "aten::clone"}, ops

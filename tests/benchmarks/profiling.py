@@ -8,7 +8,7 @@ import sys
 import time
 
 
-def profiled(call, device, rows: int = 20):
+def profiled(call, device, rows: int = 20, width: int = 60):
     """Run `call()` under torch.profiler and print the report to stderr (benchmarks keep stdout for
     their result lines); returns what `call` returned."""
     import torch
@@ -25,7 +25,7 @@ def profiled(call, device, rows: int = 20):
     busy, n = gpu_busy_seconds(prof)
     print(f"PROFILE wall {wall:.2f}s, GPU busy {busy:.2f}s ({busy / wall:.0%}), {n} kernels", file=sys.stderr)
     for sort in (["cuda_time_total"] if cuda else []) + ["cpu_time_total"]:
-        print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60), file=sys.stderr)
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=width), file=sys.stderr)
     return out
 
 

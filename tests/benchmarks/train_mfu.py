@@ -156,6 +156,8 @@ def main() -> int:
                         help="time forward+backward and the optimizer step apart (a device sync between)")
     parser.add_argument("--profile", action="store_true",
                         help="trace each variant's timed steps (torch.profiler, on stderr); slows them")
+    parser.add_argument("--profile-rows", type=int, default=20,
+                        help="--profile's tables: this many operators and kernels each")
     parser.add_argument("--host-profile", action="store_true",
                         help="profile each variant's timed steps by Python function on rank 0 (cProfile, on "
                              "stderr): where the host's dispatch time goes; slows them")
@@ -280,7 +282,7 @@ def main() -> int:
             from tests.benchmarks.profiling import profiled
 
             timed_batches = batches[args.warmup:]
-            profiled(lambda: run(timed_batches), device)
+            profiled(lambda: run(timed_batches), device, rows=args.profile_rows, width=120)
         elif args.host_profile and rank == 0:
             from tests.benchmarks.profiling import host_profiled
 
