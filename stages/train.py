@@ -280,11 +280,12 @@ def preload(ctx: StageContext) -> None:
              time.time() - t1)
     # The host memory for the snapshot fills in a thread of its own (seconds, mostly outside the GIL):
     # started first, so that the rehearsal's seconds overlap it and it is done before the turn.
-    deferred_checkpoint.prepare_pool(ctx, deepspeed_config(ctx, warn=False))  # set-up warns
-    rehearse_step(ctx, preload_model_code(ctx))
+    ds_config = deepspeed_config(ctx, warn=False)  # set-up warns
+    deferred_checkpoint.prepare_pool(ctx, ds_config)
+    rehearse_step(ctx, preload_model_code(ctx), ds_config)
 
 
-def rehearse_step(ctx: StageContext, config) -> None:
+def rehearse_step(ctx: StageContext, config, ds_config: dict) -> None:
     """On a GPU, before the turn: a micro-step of a one-layer model of the policy's architecture
     (`config`, the base model's; stages/rl/rehearsal.py), so that the first micro-batch finds its CUDA
     and Triton kernels loaded. It only saves time: a failure is logged, and the first micro-batch
@@ -292,9 +293,15 @@ def rehearse_step(ctx: StageContext, config) -> None:
     if not torch.cuda.is_available():
         return
     cfg = ctx.cfg
+    device = device_for(ctx.info.local_rank)
+    skip = rehearsal.skip_reason(config, DTYPES[cfg.model.dtype], ds_config,
+                                 torch.cuda.get_device_properties(device).total_memory)
+    if skip:
+        log.info("no rehearsal of a micro-step before the turn: %s", skip)
+        return
     try:
         seconds = rehearsal.rehearse(config, DTYPES[cfg.model.dtype], cfg.model, cfg.train, cfg.generate.temperature,
-                                     device_for(ctx.info.local_rank))
+                                     device)
     except Exception as e:  # noqa: BLE001 (any failure here only costs the first micro-batch its loads)
         log.warning("rehearsing a micro-step before the turn failed (%s: %s); the first micro-batch loads its "
                     "kernels itself", type(e).__name__, e)

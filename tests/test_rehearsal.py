@@ -64,3 +64,59 @@ def test_one_layer_keeps_the_architecture_and_cuts_per_layer_lists():
     rows = rehearsal.synthetic_rows(qwen.vocab_size)
     assert all(max(r["prompt_ids"] + r["completion_ids"]) < qwen.vocab_size for r in rows)
     assert {r["advantage"] for r in rows} == {1.0, -1.0}
+
+
+def shape_config(preset: str):
+    from stages.rl.tiny_model import PRESETS, llama_config
+
+    return llama_config(PRESETS[preset])
+
+
+ZERO2 = {"zero_optimization": {"stage": 2}}
+H200 = 141 * 10**9
+
+
+def test_the_rehearsal_is_skipped_where_it_cannot_pay():
+    cfg = shape_config("llama3-3b-shape")
+    assert rehearsal.skip_reason(cfg, torch.bfloat16, ZERO2, H200) is None
+    assert "ZeRO-3" in rehearsal.skip_reason(cfg, torch.bfloat16, {"zero_optimization": {"stage": 3}}, H200)
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert "offloaded" in rehearsal.skip_reason(cfg, torch.bfloat16, offload, H200)
+    on_gpu = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+    assert rehearsal.skip_reason(cfg, torch.bfloat16, on_gpu, H200) is None
+
+
+def test_the_rehearsal_is_skipped_where_one_layer_would_take_more_than_its_share():
+    from stages.rl.tiny_model import llama_config
+
+    seventy = llama_config(dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                num_attention_heads=64, num_key_value_heads=8))
+    # A 70B layer: ~0.86B parameters at 20 bytes each (bf16 weight and gradient, fp32 master, gradient, Adam).
+    assert 16e9 < rehearsal.memory_bytes(seventy, torch.bfloat16) < 19e9
+    reason = rehearsal.skip_reason(seventy, torch.bfloat16, ZERO2, H200)
+    assert "over 5% of the GPU's 141 GB" in reason
+    eight = shape_config("llama3-8b-shape")
+    assert rehearsal.memory_bytes(eight, torch.bfloat16) < rehearsal.GPU_SHARE * H200
+    # An 80 GB GPU still rehearses the 3B shape (2 GB), not the 8B one (4.4 GB).
+    assert rehearsal.skip_reason(shape_config("llama3-3b-shape"), torch.bfloat16, ZERO2, 80 * 10**9) is None
+    assert rehearsal.skip_reason(eight, torch.bfloat16, ZERO2, 80 * 10**9) is not None
+
+
+@pytest.mark.gpu
+def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    device = torch.device("cuda", 0)
+    cfg = shape_config("llama3-3b-shape")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    rehearsal.rehearse(cfg, torch.bfloat16, ModelConfig(), TrainConfig(), 1.0, device)
+    peak = torch.cuda.max_memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    assert peak <= rehearsal.GPU_SHARE * total
+    assert peak <= rehearsal.memory_bytes(cfg, torch.bfloat16)  # the estimate that decides does not undercount
+    assert torch.cuda.memory_reserved(device) == 0  # handed back before the turn
+    # The cap is lifted: the process may take more than the share once the rehearsal is over.
+    big = torch.empty(int(rehearsal.GPU_SHARE * total) + 2**30, dtype=torch.uint8, device=device)
+    del big
+    torch.cuda.empty_cache()

@@ -12,10 +12,19 @@ policy's widths, vocabulary and dtype (so the same kernel variants), on a packed
 train.remove_padding says: forward, log-probs, PPO-clip loss, backward, then a flat gradient norm,
 clipping and a fused AdamW step on float32 copies, as ZeRO's optimizer takes them. Nothing of it is
 kept but the loaded kernels. The policy, the engine and the process group are untouched.
+
+It runs while another stage (generate, or the previous train) holds the GPU, so it is bounded: it is
+skipped where a one-layer model's states would need more than GPU_SHARE of the GPU's memory (a
+layer of a 70B model with its fp32 master and Adam state is ~17 GB), and the allocator is capped at
+that share while it runs (an allocation past it fails the rehearsal, not the stage that holds the
+GPU). It is skipped too where it cannot pay: ZeRO-3 runs each layer through gathering hooks the
+one-layer model has not, and an offloaded optimizer steps on the host, so neither's first step
+launches the kernels the rehearsal would load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -25,14 +34,58 @@ import torch
 log = logging.getLogger(__name__)
 
 ROWS, PROMPT, COMPLETION = 8, 16, 112  # 1,024 positions: the shapes of a short micro-batch
+# The most of the GPU's memory the rehearsal may take, beside the stage that holds the GPU.
+GPU_SHARE = 0.05
 
+
+def skip_reason(config, dtype: torch.dtype, ds_config: dict, gpu_bytes: int) -> str | None:
+    """Why the rehearsal would not pay, or would not fit beside another stage (None: run it)."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage", 0) == 3:
+        return "ZeRO-3 runs each layer through its gathering hooks, which a one-layer model has not"
+    if (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+        return "the optimizer is offloaded (its step runs on the host)"
+    need = memory_bytes(config, dtype)
+    if need > GPU_SHARE * gpu_bytes:
+        return (f"a one-layer model of this architecture needs ~{need / 1e9:.1f} GB, over {GPU_SHARE:.0%} of the "
+                f"GPU's {gpu_bytes / 1e9:.0f} GB")
+    return None
+
+
+def memory_bytes(config, dtype: torch.dtype) -> int:
+    """An estimate of the rehearsal's peak memory: the one-layer model's weights and gradients in
+    `dtype`, their fp32 copies, gradients and AdamW moments, and the activations of its batch (the
+    layer's and the float32 logits)."""
+    d, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv = d * getattr(config, "num_key_value_heads", heads) // heads
+    params = 2 * d * d + 2 * d * kv + 3 * d * inter + vocab * d * (1 if config.tie_word_embeddings else 2)
+    size = torch.finfo(dtype).bits // 8
+    positions = ROWS * (PROMPT + COMPLETION)
+    activations = positions * ((8 * d + 4 * inter) * size + 3 * vocab * 4)
+    return params * (2 * size + 16) + activations
 
 def rehearse(config, dtype: torch.dtype, model_cfg, train_cfg, temperature: float, device) -> float:
     """Run the rehearsal on `device` for a policy of HF `config`; returns its seconds. The process's
     random number generators are left as they were (the model's initialisation draws from them)."""
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), memory_cap(device):
         return _rehearse(config, dtype, model_cfg, train_cfg, temperature, device)
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device):
+    """This process's CUDA allocator held to GPU_SHARE of the device while the rehearsal runs; its
+    memory is handed back and the cap lifted after (the process then trains with the whole GPU)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_per_process_memory_fraction(GPU_SHARE, device)
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
 def _rehearse(config, dtype, model_cfg, train_cfg, temperature, device) -> float:

@@ -26,7 +26,18 @@ PRESETS = {
     # ~0.48B parameters in its transformer blocks: the GPU benchmarks' model (bf16, H200).
     "small-llama": dict(hidden_size=1280, intermediate_size=3456, num_hidden_layers=24, num_attention_heads=20,
                         num_key_value_heads=20, max_position_embeddings=4096),
+    # The block dimensions of Llama-3.2-3B (2.8B parameters in its blocks) and Llama-3.1-8B (7.0B),
+    # grouped-query attention with head size 128, over the character vocabulary: random weights at
+    # the sizes users run, for GPU benchmarks and for trying a cluster before real weights are on it.
+    # Real models come through model.path.
+    "llama3-3b-shape": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                            num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama3-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
 }
+# Presets initialised where they are created in the stored dtype, on a GPU when there is one: an
+# fp32 copy of the 8B shape on the host would take 28 GB and minutes of one core's random numbers.
+LARGE_PRESETS = ("llama3-3b-shape", "llama3-8b-shape")
 
 
 def build_tokenizer():
@@ -55,7 +66,8 @@ def llama_config(dims: dict, tokenizer=None):
 def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int = 0, dtype: str = "float32") -> Path:
     """Write an HF model (safetensors + config + tokenizer) for `preset` to out_dir, atomically,
     initialised in fp32 and stored in `dtype` (the run's model.dtype: the same weights every stage
-    loads, and a config like that of the models save exports, which vLLM's compile cache keys on)."""
+    loads, and a config like that of the models save exports, which vLLM's compile cache keys on).
+    LARGE_PRESETS are initialised in `dtype` itself, on the GPU where there is one."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -67,7 +79,12 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
     tokenizer = build_tokenizer()
     config = llama_config(PRESETS[preset], tokenizer)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    if preset in LARGE_PRESETS:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A staging directory of this process's own: two writers at once never share one.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))

@@ -17,6 +17,10 @@ from pathlib import Path
 import yaml
 
 
+# The built-in base models (stages/rl/tiny_model.py holds their dimensions).
+PRESETS = ("tiny-llama", "small-llama", "llama3-3b-shape", "llama3-8b-shape")
+
+
 class ConfigError(ValueError):
     """A config problem, reported as one line naming the key or file and the fix."""
 
@@ -44,7 +48,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        _choice("model.preset", self.preset, ("tiny-llama", "small-llama"))
+        _choice("model.preset", self.preset, PRESETS)
 
 
 @dataclass
