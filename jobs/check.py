@@ -227,12 +227,12 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
 
 
 def local_checkpoint_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[str]:
-    """Node-local checkpoints need save to find the whole weights in one node's copy (ZeRO 1 or 2),
-    in the dtype it exports."""
+    """Node-local checkpoints need save to export the weights as train holds them (one node's model
+    states under ZeRO 1-2, the policy file train gathers under ZeRO-3), in the training dtype."""
     problems = []
-    if zero_stage == 3:
-        problems.append(f"train.local_checkpoint_dir is set but {ds_path} uses ZeRO stage 3, whose weights are "
-                        "spread over every node's shards: unset train.local_checkpoint_dir, or use ZeRO stage 1 or 2")
+    if zero_stage == 0:
+        problems.append(f"train.local_checkpoint_dir is set but {ds_path} uses ZeRO stage 0, whose checkpoint is "
+                        "not split by rank: use ZeRO stage 1, 2 or 3, or unset train.local_checkpoint_dir")
     export = cfg.save.export_dtype
     if export not in ("model", cfg.model.dtype):
         problems.append(f"train.local_checkpoint_dir is set, so save exports the weights in the training dtype "

@@ -7,7 +7,8 @@ the architecture; the next save removes train's name for it.
 
 With node-local checkpoints (train.local_checkpoint_dir) the weights come from the model states of
 this node's copy (ZeRO 1 and 2 keep them whole there, in the training dtype), or of the durable
-copy once the persist stage has made it.
+copy once the persist stage has made it; under ZeRO-3, from the policy file train gathered them
+into (no node's copy holds them whole).
 
 No process group: one task reads the ZeRO shards from disk. The export is verified (reloaded and
 compared; linked, its header checked), then published by atomic rename, so generate never sees a
@@ -107,11 +108,11 @@ def link_policy(ctx: StageContext, dtype: str, tmp: Path) -> dict | None:
     """The export made of the policy file train wrote before its marker (link_export); None where
     train wrote none."""
     policy = ctx.paths.train_policy(ctx.iteration)
-    if not (local_checkpoints.deferred(ctx.paths, ctx.iteration) and policy.is_file()):
+    if not (local_checkpoints.wrote_policy(ctx.paths, ctx.iteration) and policy.is_file()):
         return None
     seconds = link_export(policy, ctx.policy_path(), dtype, tmp, ctx.tokenizer_path())
     if seconds is not None:
-        log.info("exported by linking %s (train wrote the weights before its marker)", policy)
+        log.info("exported by linking %s, the weights train wrote for save", policy)
     return seconds
 
 
@@ -211,10 +212,10 @@ def read_weights(ctx: StageContext, tag: str) -> dict:
     checkpoint after it; else consolidated from the ZeRO shards in the run dir, or, when train wrote
     node-local checkpoints, the model states of this node's copy (else of the persisted one)."""
     policy = ctx.paths.train_policy(ctx.iteration)
-    if local_checkpoints.deferred(ctx.paths, ctx.iteration) and policy.is_file():
+    if local_checkpoints.wrote_policy(ctx.paths, ctx.iteration) and policy.is_file():
         from safetensors.torch import load_file
 
-        log.info("reading the weights from %s (train writes its checkpoint after its marker)", policy)
+        log.info("reading the weights from %s, the weights train wrote for save", policy)
         return load_file(policy)
     recorded = local_checkpoints.recorded(ctx.paths, ctx.iteration)
     if not recorded:
@@ -224,6 +225,10 @@ def read_weights(ctx: StageContext, tag: str) -> dict:
                                f"checkpoint is not there whole ({problem}): redo train: syncrl rerun "
                                f"{ctx.paths.root} --iteration {ctx.iteration} --stage train")
         return consolidate(ctx.paths.checkpoints, tag)
+    if recorded.get("policy"):
+        # ZeRO-3: no node's copy holds the whole weights; train's policy file was the only one.
+        raise MissingInput(f"iteration {ctx.iteration}: {policy}, the weights train wrote for save, is gone: redo "
+                           f"train: syncrl rerun {ctx.paths.root} --iteration {ctx.iteration} --stage train")
     here = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     problems = []
     for folder in ([here / tag] if here else []) + [ctx.paths.checkpoints / tag]:

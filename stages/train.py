@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal, single_rank, step_records
+from stages.rl import (cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, policy_file, rehearsal, single_rank,
+                      step_records)
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
@@ -164,9 +165,15 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
                  "prunable": [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]}
     if local:
         record = ctx.paths.local_checkpoint_record(ctx.iteration)
+        policy = None
+        if zero_stage(run.ds_config) == 3:
+            # Save runs as one task on one node, and ZeRO-3's weights are spread over every node's shards.
+            run.watchdog.beat("write the policy's weights")
+            policy = policy_file.write_gathered(run.engine, ctx.paths.train_policy(ctx.iteration), ctx.rank == 0)
+            local["policy"] = True
         if ctx.rank == 0:
             markers.write_json_atomic(record, local)
-            outputs = [record]
+            outputs = [record] + ([policy] if policy else [])
         extra = {"local_checkpoint": local}
     save_s = time.time() - t2
     if ctx.rank == 0:

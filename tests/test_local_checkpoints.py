@@ -99,6 +99,40 @@ def test_resume_reads_the_durable_copy_when_the_local_one_is_gone(runs, tmp_path
     assert "iteration 1 train    already done" in proc.stderr
 
 
+ZERO3 = "train.deepspeed_config=configs/ds_zero3_cpu.json"
+
+
+def test_zero3_node_local_checkpoints_resume_locally_then_from_the_durable_copy(tmp_path):
+    """ZeRO-3 shards the weights too: each rank's model states and optimizer shard go to its node's
+    folder, train gathers the weights into one policy file that save links in (no node's copy holds
+    them whole), and resume reads the node's copy, or the durable one where the node's is gone."""
+    import shutil
+
+    run_dir, store = tmp_path / "run", tmp_path / "node_local"
+    proc = syncrl_run(run_dir, "iterations=2", ZERO3, f"train.local_checkpoint_dir={store}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = local.read_record(run_dir / "checkpoints" / "iter_00001")
+    names = list(record["files"])
+    assert local.missing_shards(names, 2) == [] and local.MODEL_STATES not in names, names
+    assert sum(n.endswith("_model_states.pt") for n in names) == 2, names  # one per rank: ZeRO-3's parameter shards
+    train = json.loads((run_dir / "iter_00001" / "markers" / "train.done").read_text())
+    assert train["local_checkpoint"]["policy"] is True and record["id"] == train["local_checkpoint"]["id"]
+    train_log = (run_dir / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00001.log").read_text()
+    assert f"resumed weights and optimizer state from {store}" in train_log
+    save_log = (run_dir / "logs" / "iter_00001" / "save" / "attempt_1" / "rank_00000.log").read_text()
+    assert "exported by linking" in save_log, save_log[-2000:]
+    assert_export_matches_the_durable_copy(run_dir, 1)  # the gathered weights are the fp32 master's
+    # Another run dir (another store key): no node-local copy, as on a new allocation.
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    proc = syncrl_run(copy, "iterations=3", ZERO3, f"train.local_checkpoint_dir={store}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = (copy / "logs" / "iter_00002" / "train" / "attempt_1" / "rank_00001.log").read_text()
+    assert "resuming from the durable copy" in log
+    assert f"resumed weights and optimizer state from {copy / 'checkpoints'}" in log
+    assert_export_matches_the_durable_copy(copy, 2)
+
+
 def test_the_local_record_must_name_the_attempt(tmp_path):
     folder = tmp_path / "iter_00003"
     folder.mkdir()
@@ -124,10 +158,13 @@ def test_the_store_is_keyed_by_run_dir_and_node(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["train.deepspeed_config=configs/ds_zero3_cpu.json"], "ZeRO stage 3"),
+    (["train.deepspeed_config={zero0}"], "ZeRO stage 0"),
     (["save.export_dtype=bfloat16"], "set save.export_dtype: model"),
 ])
 def test_check_names_what_local_checkpoints_cannot_do(tmp_path, overrides, expected):
+    zero0 = tmp_path / "ds_zero0.json"
+    zero0.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    overrides = [o.format(zero0=zero0) for o in overrides]
     cfg = load_config(ROOT / "configs" / "local_tiny.yaml",
                       [f"run_dir={tmp_path / 'run'}", f"train.local_checkpoint_dir={tmp_path / 'store'}", *overrides])
     problems = check(cfg, "local")

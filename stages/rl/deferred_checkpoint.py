@@ -21,7 +21,6 @@ import errno
 import json
 import logging
 import mmap
-import os
 import shutil
 import threading
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from stages.rl import policy_file
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
 from stages.runtime.config import zero_stage
@@ -124,24 +124,11 @@ def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
 def write_policy(ctx, writes: DeferredWrites) -> Path:
     """Rank 0: the policy's weights (the model states' module, in the training dtype) as one
     safetensors file under the train folder, for save to export before the checkpoint is on disk."""
-    from safetensors.torch import save_file
-
     states = writes.find(local_checkpoints.MODEL_STATES)
     if states is None:
         raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
                            f"set train.deferred_checkpoint=false")
-    weights, seen = {}, set()
-    for name, tensor in states["module"].items():
-        if tensor.data_ptr() in seen:
-            continue  # tied to a weight already written (save's export ties them again)
-        seen.add(tensor.data_ptr())
-        weights[name] = tensor.contiguous()
-    path = ctx.paths.train_policy(ctx.iteration)
-    tmp = path.with_name(f".{path.name}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(tmp), metadata={"format": "pt"})  # as transformers writes it: save links it in
-    os.replace(tmp, path)
-    return path
+    return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration))
 
 
 def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) -> None:

@@ -245,7 +245,8 @@ class TrainConfig:
     # Node-local fast storage for the checkpoint ("" = off: train writes checkpoints/iter_I in the run
     # dir). With a path (/dev/shm/syncrl, a local NVMe disk, $SLURM_TMPDIR: variables are expanded on
     # each node), train writes there, save exports from there, and the persist stage copies it to
-    # checkpoints/iter_I while the next iteration runs, off the critical path. ZeRO stage 1 or 2.
+    # checkpoints/iter_I while the next iteration runs, off the critical path. ZeRO stage 1, 2 or 3
+    # (under ZeRO-3 train also gathers the weights into one file for save: no node holds them whole).
     local_checkpoint_dir: str = ""
     # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
     # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint

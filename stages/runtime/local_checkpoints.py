@@ -57,6 +57,12 @@ def deferred(paths: RunPaths, it: int) -> dict | None:
     return (markers.read_marker(paths, it, "train") or {}).get("deferred_checkpoint")
 
 
+def wrote_policy(paths: RunPaths, it: int) -> bool:
+    """Whether train of iteration `it` wrote the policy's weights file for save (paths.train_policy):
+    before a checkpoint written after its marker, and under ZeRO-3 with node-local checkpoints."""
+    return bool(deferred(paths, it) or (recorded(paths, it) or {}).get("policy"))
+
+
 def deferred_problem(paths: RunPaths, it: int) -> str | None:
     """Why the checkpoint train of iteration `it` wrote after its marker is not in checkpoints/
     whole, as that attempt's (None when it is, or when train wrote it before its marker)."""
