@@ -218,6 +218,10 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
                         "ZeRO shards, so use stage 1, 2 or 3")
     if cfg.train.local_checkpoint_dir:
         problems += local_checkpoint_problems(cfg, stage, path)
+    elif cfg.train.durable_every > 1:
+        problems.append(f"train.durable_every is {cfg.train.durable_every} but train.local_checkpoint_dir is not set: "
+                        "without node-local checkpoints every checkpoint is written to the run dir; set "
+                        "train.local_checkpoint_dir, or train.durable_every=1")
     if cfg.train.cuda_graphs:
         problems += cuda_graph_problems(cfg, stage, path)
     if cfg.train.grad_norm == "flat":
@@ -230,9 +234,6 @@ def local_checkpoint_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) ->
     """Node-local checkpoints need save to export the weights as train holds them (one node's model
     states under ZeRO 1-2, the policy file train gathers under ZeRO-3), in the training dtype."""
     problems = []
-    if zero_stage == 0:
-        problems.append(f"train.local_checkpoint_dir is set but {ds_path} uses ZeRO stage 0, whose checkpoint is "
-                        "not split by rank: use ZeRO stage 1, 2 or 3, or unset train.local_checkpoint_dir")
     export = cfg.save.export_dtype
     if export not in ("model", cfg.model.dtype):
         problems.append(f"train.local_checkpoint_dir is set, so save exports the weights in the training dtype "

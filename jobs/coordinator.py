@@ -54,6 +54,15 @@ class CheckpointLost(RuntimeError):
         self.iteration, self.attempt = iteration, attempt
 
 
+class GoBack(RuntimeError):
+    """Train of `iteration` found its starting checkpoint on no node and without a durable copy
+    (train.durable_every): the run goes back to `to`, the iteration after the last durable copy."""
+
+    def __init__(self, iteration: int, to: int, message: str):
+        super().__init__(message)
+        self.iteration, self.to = iteration, to
+
+
 def prepare_run(cfg: RunConfig) -> RunPaths:
     """Freeze the config into the run dir (refusing a semantic change on resume) and create the base
     model. Called holding the run's lock (run_lock), which resolved the paths and made the run dir."""
@@ -104,6 +113,8 @@ class Coordinator:
         self.lost_writers: dict[int, object] = {}
         # iteration -> how many of its trains this coordinator redid for a lost checkpoint (bounded by retry.attempts)
         self.redone: dict[int, int] = {}
+        # iteration -> how many times this coordinator went back to it for checkpoints lost since a durable copy
+        self.went_back: dict[int, int] = {}
         self.start_early = False
         self.engines = Engines(cfg, launcher, self.paths)
 
@@ -127,6 +138,9 @@ class Coordinator:
                     # From that train on: it, its save and the next iteration are redone.
                     self._forget_train(lost)
                     it = lost.iteration
+                except GoBack as back:
+                    self._go_back(back)
+                    it = back.to
             log.info("run complete: %d iterations in %.1fs (%s)", self.cfg.iterations, time.time() - t0,
                      self.paths.root)
 
@@ -172,6 +186,9 @@ class Coordinator:
             except CheckpointLost as lost:
                 raise StageFailed(f"{lost}\nRedo it: syncrl rerun {self.paths.root} --iteration {lost.iteration} "
                                   f"--stage train") from None
+            except GoBack as back:
+                raise StageFailed(f"{back}\nRun the run's own command again (syncrl run, or sbatch): it goes back to "
+                                  f"iteration {back.to} and redoes the iterations since") from None
             stale = [f"{later}@{i}" for i in range(it, self.cfg.iterations) for later in STAGES
                      if (i, STAGES.index(later)) > (it, STAGES.index(stage)) and self._is_stale(i, later)]
             if stale:
@@ -261,7 +278,12 @@ class Coordinator:
                 n = self.launcher.ntasks(stage)
                 result = step.wait(retry.stage_timeout_s, done=lambda: self._all_marked(it, stage, n, inputs, attempt))
                 launched += result.elapsed_s
-                self._check_attempt(it, stage, attempt, inputs, result)
+                try:
+                    self._check_attempt(it, stage, attempt, inputs, result)
+                except StageFailed as failed:
+                    if stage == "train":
+                        self._go_back_if_checkpoint_gone(it, attempt, failed)
+                    raise
         if result.lingering:
             # Every rank's marker is in: the stage is done, and its processes finish exiting (closing
             # NCCL groups and CUDA contexts, 1.4-1.7 s for train on an H200) beside what comes next.
@@ -382,6 +404,33 @@ class Coordinator:
                               f"lost their checkpoint (retry.attempts: {self.cfg.retry.attempts})")
         log.warning("iteration %d train: redoing it, its save and iteration %d's stages", lost.iteration,
                     lost.iteration + 1)
+
+    def _go_back_if_checkpoint_gone(self, it: int, attempt: int, failed: StageFailed) -> None:
+        """GoBack when a rank of this train attempt found its checkpoint gone (a retry would too)."""
+        gone = local_checkpoints.CheckpointGone.__name__ + ":"
+        records = [markers.read_failure_record(self.paths, it, "train", r, attempt)
+                   for r in range(self.launcher.ntasks("train"))]
+        if any(str((rec or {}).get("exception", "")).startswith(gone) for rec in records):
+            to = local_checkpoints.last_durable(self.paths, it - 1) + 1
+            raise GoBack(it, to, f"{failed}\niteration {it - 1}'s checkpoint is lost with no durable copy: going back "
+                                 f"to iteration {to}, after the last durable copy")
+
+    def _go_back(self, back: GoBack) -> None:
+        """Clear what depends on the checkpoints lost since the last durable copy: the trains from
+        `back.to` on, their saves and persists, and every later iteration's stages. The samples of
+        iteration `back.to` stand (its policy is the durable copy's). Bounded like a lost checkpoint:
+        retry.attempts goings back to the same iteration, then the run stops."""
+        log.warning("%s", back)
+        self.went_back[back.to] = self.went_back.get(back.to, 0) + 1
+        if self.went_back[back.to] > self.cfg.retry.attempts:
+            raise StageFailed(f"{back}\nthe run went back to iteration {back.to} {self.went_back[back.to] - 1} times "
+                              f"(retry.attempts: {self.cfg.retry.attempts})")
+        self._stop_started()
+        cleared = [(back.to, s) for s in ("train", "save", "persist")] + \
+            [(i, s) for i in range(back.to + 1, min(back.iteration + 1, self.cfg.iterations)) for s in STAGES]
+        for i, stage in cleared:
+            markers.clear_stage(self.paths, i, stage)
+        log.warning("redoing iterations %d-%d from iteration %d's train on", back.to, back.iteration, back.to)
 
     def _starts_early(self) -> bool:
         mode = self.cfg.start_early

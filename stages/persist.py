@@ -1,7 +1,8 @@
 """persist: one task per node. Copy this iteration's node-local checkpoint to checkpoints/iter_I.
 
 Runs only when train.local_checkpoint_dir is set (otherwise train wrote checkpoints/iter_I itself
-and this stage only records that). The coordinator starts it once save is done and lets it run
+and this stage only records that), and copies only every train.durable_every-th iteration's
+checkpoint and the run's last (the others stay on the nodes). The coordinator starts it once save is done and lets it run
 beside the next iteration's generate, score and gather; the next train waits for it. Each node
 copies its ranks' shards (the first node also the files every node holds) into a staging folder
 on the shared filesystem; the first node publishes the folder by rename once every node's files
@@ -37,6 +38,12 @@ def main(ctx: StageContext) -> None:
     if not recorded:
         ctx.summarize("nothing to persist: train wrote %s to the run dir", f"checkpoints/{tag}")
         ctx.write_marker([])
+        return
+    every = ctx.cfg.train.durable_every
+    if not local.durable(it, every, ctx.cfg.iterations):
+        ctx.summarize("iteration %d's checkpoint stays on the nodes only (train.durable_every=%d: the next durable "
+                      "copy is iteration %d's)", it, every, it + every - (it + 1) % every)
+        ctx.write_marker([], extra={"durable": False})
         return
     node = node_name()
     store = local.this_node(ctx.cfg.train.local_checkpoint_dir, paths)

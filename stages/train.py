@@ -175,6 +175,8 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
             markers.write_json_atomic(record, local)
             outputs = [record] + ([policy] if policy else [])
         extra = {"local_checkpoint": local}
+        if local.get("policy"):  # the next save removes it
+            extra["prunable"] = [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]
     save_s = time.time() - t2
     if ctx.rank == 0:
         curve = ctx.paths.train_curve(ctx.iteration)
@@ -431,6 +433,14 @@ def resume_source(ctx: StageContext, tag: str) -> Path:
         problem = local_checkpoints.problem(folder / tag, recorded["id"])
         if problem is None:
             return folder
+        durable = local_checkpoints.problem(ctx.paths.checkpoints / tag, recorded["id"])
+        if durable is not None:
+            last = local_checkpoints.last_durable(ctx.paths, ctx.iteration - 1)
+            raise local_checkpoints.CheckpointGone(
+                f"rank {ctx.rank} on node {dist.node_name()}: iteration {ctx.iteration - 1}'s checkpoint is not on "
+                f"this node ({problem}) and has no durable copy ({durable}; train.durable_every="
+                f"{ctx.cfg.train.durable_every}): the run goes back to iteration {last + 1}, after the last durable "
+                f"copy", last)
         log.info("resuming from the durable copy in %s: %s", ctx.paths.checkpoints, problem)
     return ctx.paths.checkpoints
 

@@ -435,15 +435,31 @@ def local_store_files(store: Path) -> list[Path]:
     return sorted(p for p in store.rglob("*") if p.is_file()) if store.exists() else []
 
 
+# The node-local checkpoint cases run under ZeRO-2 (the weights whole in the first node's model
+# states) and ZeRO-3 (every file a rank's shard; train gathers the weights into save's policy file).
+ZERO_STAGES = {"zero2": [], "zero3": ["train.deepspeed_config=configs/ds_zero3_cpu.json"]}
+
+
+def whole_durable_copy(folder: Path, zero: str) -> None:
+    """Every train rank's shards are in `folder`, and under ZeRO-2 the model states every node holds."""
+    names = sorted(p.name for p in folder.iterdir())
+    if zero == "zero2":
+        assert sum("zero_pp_rank_" in n for n in names) == 2 and "mp_rank_00_model_states.pt" in names, names
+    else:
+        assert sum("zero_pp_rank_" in n and n.endswith("_optim_states.pt") for n in names) == 2, names
+        assert sum("zero_pp_rank_" in n and n.endswith("_model_states.pt") for n in names) == 2, names
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("zero", ZERO_STAGES)
+def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tmp_path, zero):
     """Train writes each node's checkpoint share to that node's own local folder (n1's, n2's); the
     persist stage copies them to the run dir. Train of iteration 1 is then redone in a new allocation
     whose nodes hold no local copy: both nodes resume iteration 0's optimizer state from the durable
     copy, and the run completes with the same weights."""
     run_dir, store = tmp_path / "run", tmp_path / "node_local"
-    extra = ["iterations=2", f"train.local_checkpoint_dir={store}", "save.keep_checkpoints=2"]
+    extra = ["iterations=2", f"train.local_checkpoint_dir={store}", "save.keep_checkpoints=2", *ZERO_STAGES[zero]]
     job = sbatch_run(tmp_path, run_dir, *extra)
     assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
     weights = (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes()
@@ -452,9 +468,8 @@ def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tm
     for node, log in zip(("n1", "n2"), logs):
         text = log.read_text()
         assert re.search(rf"resumed weights and optimizer state from {re.escape(str(store))}/\S+/{node}/", text), text[-2000:]
-    for it in (0, 1):  # the durable copies, whole: every rank's shard and the model states
-        names = sorted(p.name for p in (run_dir / "checkpoints" / f"iter_{it:05d}").iterdir())
-        assert sum("zero_pp_rank_" in n for n in names) == 2 and "mp_rank_00_model_states.pt" in names, names
+    for it in (0, 1):  # the durable copies, whole: every rank's shard (and the model states)
+        whole_durable_copy(run_dir / "checkpoints" / f"iter_{it:05d}", zero)
     assert local_store_files(store) == []  # the run's last persist emptied the nodes' folders
     # A new allocation: no node-local copy anywhere. Redo train of iteration 1 over both nodes.
     shutil.rmtree(store, ignore_errors=True)
@@ -475,18 +490,20 @@ def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tm
     assert (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes() == weights
     assert local_store_files(store) == []
     no_half_files(run_dir)
-    report("node-local checkpoint lost before resume (2 nodes)", detect, recover)
+    report(f"node-local checkpoint lost before resume (2 nodes, {zero})", detect, recover)
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_disk, tmp_path):
+@pytest.mark.parametrize("zero", ZERO_STAGES)
+def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_disk, tmp_path, zero):
     """The run dir's checkpoints/ on a 400 KB filesystem, node-local checkpoints elsewhere: persist's
     copy hits ENOSPC. The job stops naming persist, every other stage stays done, no checkpoint
     looks whole, and both nodes' local copies are kept; with space again the same command redoes
-    persist alone, and the weights are the undisturbed run's."""
+    persist alone, and the weights are those save published before persist failed (under ZeRO-2,
+    the undisturbed ZeRO-2 run's)."""
     run_dir, store = tmp_path / "run", tmp_path / "node_local"
-    extra = [f"train.local_checkpoint_dir={store}", "retry.attempts=1"]
+    extra = [f"train.local_checkpoint_dir={store}", "retry.attempts=1", *ZERO_STAGES[zero]]
     small_disk(400, run_dir / "checkpoints")
     t0 = time.time()
     log, detect = job_that_fails(tmp_path, run_dir, *extra)
@@ -497,18 +514,54 @@ def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_dis
         assert any(p.parts[1] == node and "zero_pp_rank_" in p.name for p in kept), kept
     status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
     assert re.search(r"0  persist\s+failed", status) and re.search(r"0  save\s+done", status), status
+    published = final_weights(run_dir)
     subprocess.run(["umount", "-l", str(run_dir / "checkpoints")], capture_output=True)  # space again
     job = sbatch_run(tmp_path, run_dir, *extra)
     assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t0
     log = job_log(tmp_path, job)
     assert "iteration 0 persist  started in the background" in log and "launching" not in log, log[-3000:]
-    names = sorted(p.name for p in (run_dir / "checkpoints" / "iter_00000").iterdir())
-    assert sum("zero_pp_rank_" in n for n in names) == 2 and "mp_rank_00_model_states.pt" in names, names
-    same_results(run_dir, reference_run)
+    whole_durable_copy(run_dir / "checkpoints" / "iter_00000", zero)
+    assert final_weights(run_dir) == published
+    if zero == "zero2":
+        same_results(run_dir, reference_run)
     assert local_store_files(store) == []
     no_half_files(run_dir)
-    report("disk full during the durable copy (2 nodes)", detect, recover)
+    report(f"disk full during the durable copy (2 nodes, {zero})", detect, recover)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_node_lost_between_durable_copies_on_two_nodes(slurm_cluster, tmp_path):
+    """ZeRO-3 with a durable copy every 5 iterations over 2: iteration 0's checkpoint is on the nodes
+    only. Both nodes' storage is then lost (a new allocation), and iteration 1's train is redone: no
+    copy of iteration 0's checkpoint is anywhere, so the rerun fails naming the way back, and the run
+    command goes back to iteration 0 (no durable copy before it) and redoes the two iterations, at most
+    the iterations since the last durable copy, to the same weights."""
+    run_dir, store = tmp_path / "run", tmp_path / "node_local"
+    extra = ["iterations=2", f"train.local_checkpoint_dir={store}", "train.durable_every=5", *ZERO_STAGES["zero3"]]
+    job = sbatch_run(tmp_path, run_dir, *extra)
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["iter_00001"]  # the run's last only
+    weights = [(run_dir / "models" / f"iter_{it:05d}" / "model.safetensors").read_bytes() for it in (0, 1)]
+    shutil.rmtree(store, ignore_errors=True)
+    t0 = time.time()
+    job = sbatch(tmp_path, "slurm/rerun_stage.sbatch", str(run_dir), "1", "train")
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the rerun") == "FAILED", job_log(tmp_path, job)
+    log = job_log(tmp_path, job)
+    assert "has no durable copy" in log and "it goes back to iteration 0" in log, log[-3000:]
+    detect = time.time() - t0
+    job = sbatch_run(tmp_path, run_dir, *extra)
+    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
+    recover = time.time() - t0
+    log = job_log(tmp_path, job)
+    assert "going back to iteration 0, after the last durable copy" in log, log[-3000:]
+    assert "iteration 0 generate already done" in log and "iteration 0 train    launching" in log, log[-3000:]
+    for it, before in enumerate(weights):
+        assert (run_dir / "models" / f"iter_{it:05d}" / "model.safetensors").read_bytes() == before, it
+    whole_durable_copy(run_dir / "checkpoints" / "iter_00001", "zero3")
+    no_half_files(run_dir)
+    report("node lost between durable copies (2 nodes, zero3)", detect, recover)
 
 
 @pytest.mark.slurm

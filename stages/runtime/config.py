@@ -248,6 +248,11 @@ class TrainConfig:
     # checkpoints/iter_I while the next iteration runs, off the critical path. ZeRO stage 1, 2 or 3
     # (under ZeRO-3 train also gathers the weights into one file for save: no node holds them whole).
     local_checkpoint_dir: str = ""
+    # With local_checkpoint_dir: persist makes the durable copy of every Nth iteration's checkpoint
+    # (iterations N-1, 2N-1, ...) and of the run's last; the others stay on the nodes only. A node
+    # that loses its copy (replaced, storage cleared) then costs at most the iterations since the
+    # last durable copy: the run goes back to it and redoes them.
+    durable_every: int = 1
     # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
     # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint
     # beside save and the next generate, score and gather (the next train waits for it, and a failed
@@ -271,6 +276,7 @@ class TrainConfig:
             raise ConfigError(f"train.cuda_graphs captures the eager layers; train.compile is {self.compile}: set "
                               "train.compile=eager, or train.cuda_graphs=false")
         _positive("train.epochs", self.epochs)
+        _positive("train.durable_every", self.durable_every)
         _positive("train.timeout_s", self.timeout_s)
         _choice("train.backend", self.backend, ("auto", "nccl", "gloo"))
         if not self.lr > 0:

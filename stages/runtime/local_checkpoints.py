@@ -72,6 +72,30 @@ def deferred_problem(paths: RunPaths, it: int) -> str | None:
     return problem(paths.checkpoints / paths.checkpoint_tag(it), recorded["id"])
 
 
+def durable(it: int, every: int, iterations: int) -> bool:
+    """Whether persist makes the durable copy of iteration `it`'s checkpoint (train.durable_every):
+    every `every`th iteration's, and the run's last (a later job may run on other nodes)."""
+    return (it + 1) % every == 0 or it == iterations - 1
+
+
+def last_durable(paths: RunPaths, before: int) -> int:
+    """The latest iteration before `before` whose checkpoint is in the run dir whole, or -1."""
+    for it in sorted(numbered(paths.checkpoints, "iter_"), reverse=True):
+        if it < before and read_record(paths.checkpoints / paths.checkpoint_tag(it)) is not None:
+            return it
+    return -1
+
+
+class CheckpointGone(FileNotFoundError):
+    """The checkpoint train resumes from is on no storage this rank can read: not on its node (the
+    node was replaced or its storage cleared) and without a durable copy (train.durable_every). The
+    coordinator then goes back to the iteration after the last durable copy (`durable`, -1: none)."""
+
+    def __init__(self, message: str, durable: int):
+        super().__init__(message)
+        self.durable = durable
+
+
 def write_record(folder: Path, checkpoint_id: str, iteration: int, node: str, run_dir: Path) -> dict:
     """Record the checkpoint's files (name and size) and the train attempt's id inside `folder`."""
     files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file() and f.name != RECORD}
