@@ -27,7 +27,8 @@ bucket flush, and one device sync, per backward instead of one per 2e8 elements)
 or scattered (ZeRO's contiguous_gradients on or off; configs/ds_zero2_gpu.json has it off: on, each
 gradient is copied into a bucket buffer as it comes, instead of flattened and copied back around
 the reduction), and noreduce (on one rank, ZeRO's gradient reduction skipped, as train does:
-stages/rl/single_rank.py).
+stages/rl/single_rank.py), and offload (the optimizer's state and step on the host, DeepSpeed's CPU
+Adam: configs/ds_zero2_cpuadam.json for z2, configs/ds_zero3_offload.json for z3).
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -56,20 +57,22 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 DS_CONFIGS = {2: "configs/ds_zero2_gpu.json", 3: "configs/ds_zero3_multinode.json"}
+# The offload variants: the optimizer's state and step on the host (DeepSpeed's CPU Adam).
+OFFLOAD_CONFIGS = {2: "configs/ds_zero2_cpuadam.json", 3: "configs/ds_zero3_offload.json"}
 
 
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
          "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False, "noreduce": False,
-         "contiguous_gradients": None, "name": text}
+         "offload": False, "contiguous_gradients": None, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "noreduce"):
+                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "noreduce", "offload"):
             v[part] = True
         elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
             v["contiguous_gradients"] = part == "contiguous"
@@ -182,7 +185,8 @@ def main() -> int:
     results = []
     for spec in args.variants.split(","):
         v = parse_variant(spec)
-        ds = json.loads((ROOT / DS_CONFIGS.get(v["zero"], DS_CONFIGS[2])).read_text())
+        configs = OFFLOAD_CONFIGS if v["offload"] else DS_CONFIGS
+        ds = json.loads((ROOT / configs.get(v["zero"], configs[2])).read_text())
         ds["zero_optimization"]["stage"] = v["zero"]
         ds.update(train_micro_batch_size_per_gpu=v["micro"], gradient_accumulation_steps=1,
                   train_batch_size=v["micro"] * world, gradient_clipping=1.0)
