@@ -108,6 +108,7 @@ def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
         pytest.skip("needs a GPU")
     device = torch.device("cuda", 0)
     cfg = shape_config("llama3-3b-shape")
+    torch.zeros(1, device=device)  # the allocator's statistics exist once it has served the device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     rehearsal.rehearse(cfg, torch.bfloat16, ModelConfig(), TrainConfig(), 1.0, device)
@@ -115,7 +116,9 @@ def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
     total = torch.cuda.get_device_properties(device).total_memory
     assert peak <= rehearsal.GPU_SHARE * total
     assert peak <= rehearsal.memory_bytes(cfg, torch.bfloat16)  # the estimate that decides does not undercount
-    assert torch.cuda.memory_reserved(device) == 0  # handed back before the turn
+    # Handed back before the turn, but for the workspaces the process keeps for its math libraries
+    # (0.45 GiB on an H200, measured 2026-12-04).
+    assert torch.cuda.memory_reserved(device) < 2**30
     # The cap is lifted: the process may take more than the share once the rehearsal is over.
     big = torch.empty(int(rehearsal.GPU_SHARE * total) + 2**30, dtype=torch.uint8, device=device)
     del big

@@ -61,7 +61,8 @@ def main() -> int:
 
     from stages.rl.tiny_model import create_base_model
 
-    model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset)
+    model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset,
+                                  dtype=args.dtype)
     weights, kv = model_bytes(model_dir)
     print(f"{args.preset}, {args.dtype}: {args.prompts} prompts x {args.attempts} samples = "
           f"{args.prompts * args.attempts} sequences, up to {args.new_tokens} new tokens; one process per mode; "
