@@ -21,7 +21,6 @@ By hand:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -196,13 +195,8 @@ def preload(ctx) -> None:
     train's policy file in (on 1 H200 the import made a save started early 1.8-3.1 s late, beside
     the next train's and generate's own imports)."""
     from stages.rl.deferred_checkpoint import why_not
-    from stages.runtime.config import zero_stage
 
-    try:
-        stage = zero_stage(json.loads(Path(ctx.cfg.train.deepspeed_config).read_text()))
-    except (OSError, ValueError):
-        stage = None  # the stage itself says what is wrong with the file
-    if stage is None or why_not(ctx.cfg, stage) is not None:
+    if why_not(ctx.cfg) is not None:
         import deepspeed.utils.zero_to_fp32  # noqa: F401 (the import is the point)
     preload_model_code(ctx)
 

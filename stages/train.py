@@ -155,8 +155,9 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         # still read as new input to save).
         checkpoint_id = dist.agree(uuid.uuid4().hex)
         record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
+        policy = deferred_checkpoint.write_policy(ctx, writes, run.engine, zero_stage(run.ds_config))
         if ctx.rank == 0:
-            outputs = [deferred_checkpoint.write_policy(ctx, writes), record]
+            outputs = [policy, record]
             markers.write_json_atomic(record, {"id": checkpoint_id})
         pool = deferred_checkpoint.POOL
         extra = {"deferred_checkpoint": {"id": checkpoint_id, "snapshot_s": writes.snapshot_s,

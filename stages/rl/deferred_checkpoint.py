@@ -31,7 +31,6 @@ import torch
 from stages.rl import policy_file
 from stages.rl.serialization import checkpoint_io
 from stages.runtime import dist, local_checkpoints, markers
-from stages.runtime.config import zero_stage
 from stages.runtime.memory import available_host_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
@@ -95,14 +94,12 @@ class DeferredWrites:
         return time.time() - t0
 
 
-def why_not(cfg, zero_stage: int) -> str | None:
+def why_not(cfg) -> str | None:
     """Why train must write this run's checkpoint before its marker (None: it may defer it)."""
     if not cfg.train.deferred_checkpoint:
         return "train.deferred_checkpoint is off"
     if cfg.train.local_checkpoint_dir:
         return "train.local_checkpoint_dir is set (the persist stage makes the durable copy beside the next stages)"
-    if zero_stage == 3:
-        return "ZeRO stage 3 keeps no rank's weights whole, so save needs the checkpoint's shards"
     if cfg.save.export_dtype not in ("model", cfg.model.dtype):
         return (f"save.export_dtype is {cfg.save.export_dtype}, not the training dtype {cfg.model.dtype}: save "
                 f"exports the fp32 master weights, which only the checkpoint holds")
@@ -112,7 +109,7 @@ def why_not(cfg, zero_stage: int) -> str | None:
 def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
     """The checkpoint engine that holds this iteration's checkpoint in host memory until after the
     marker (installed in the DeepSpeed engine), or None when train writes it before the marker."""
-    why = why_not(ctx.cfg, zero_stage(ds_config))
+    why = why_not(ctx.cfg)
     if why:
         log.info("checkpoint written before the marker: %s", why)
         return None
@@ -121,14 +118,21 @@ def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
     return writes
 
 
-def write_policy(ctx, writes: DeferredWrites) -> Path:
-    """Rank 0: the policy's weights (the model states' module, in the training dtype) as one
-    safetensors file under the train folder, for save to export before the checkpoint is on disk."""
+def write_policy(ctx, writes: DeferredWrites, engine, zero_stage: int) -> Path | None:
+    """The policy's weights (in the training dtype) as one safetensors file under the train folder,
+    for save to export before the checkpoint is on disk; returns its path on rank 0, which writes it.
+    ZeRO 0-2: the held model states' module, on rank 0. ZeRO-3, whose ranks each hold a shard of
+    them: gathered from every rank (all ranks call)."""
+    path = ctx.paths.train_policy(ctx.iteration)
+    if zero_stage == 3:
+        return policy_file.write_gathered(engine, path, ctx.rank == 0)
+    if ctx.rank != 0:
+        return None
     states = writes.find(local_checkpoints.MODEL_STATES)
     if states is None:
         raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
                            f"set train.deferred_checkpoint=false")
-    return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration))
+    return policy_file.write(states["module"], path)
 
 
 def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) -> None:
@@ -319,7 +323,7 @@ POOL = HostPool()
 def prepare_pool(ctx, ds_config: dict) -> None:
     """Start preparing host memory for this rank's snapshot, by the previous iteration's layout
     (a train process started early, before its turn; CUDA only: elsewhere nothing is copied)."""
-    if ctx.iteration == 0 or why_not(ctx.cfg, zero_stage(ds_config)) or not torch.cuda.is_available():
+    if ctx.iteration == 0 or why_not(ctx.cfg) or not torch.cuda.is_available():
         return
     POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), snapshot_budget(ctx),
                  cuda_device=ctx.info.local_rank % torch.cuda.device_count())

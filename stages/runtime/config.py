@@ -256,7 +256,7 @@ class TrainConfig:
     # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
     # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint
     # beside save and the next generate, score and gather (the next train waits for it, and a failed
-    # write redoes train). Applies with ZeRO 0-2, no local_checkpoint_dir and save.export_dtype the
+    # write redoes train). Applies with no local_checkpoint_dir and save.export_dtype the
     # training dtype; otherwise, and for a checkpoint larger than half the node's free host memory,
     # it is written before the marker.
     deferred_checkpoint: bool = True
