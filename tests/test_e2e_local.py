@@ -191,6 +191,20 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer(tmp_path):
     assert any(s["kl"] > 0 for s in steps)  # the policy moved away from the reference in iteration 0
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00001")
+    # The checkpoint went to disk after train's marker (train.deferred_checkpoint, the default): no rank
+    # holds ZeRO-3's weights whole, so train gathered them from the shards into the file save linked
+    # in, and that export is the checkpoint's fp32 master weights.
+    train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
+    assert "iter_00001/train/policy.safetensors" in train["outputs"] and "deferred_checkpoint" in train
+    assert "checkpoint written after the marker" in log
+    assert json.loads((run / "iter_00001" / "markers" / "save.done").read_text())["export"] == "linked"
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    master = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag="iter_00001")
+    exported = load_file(run / "models" / "iter_00001" / "model.safetensors")
+    assert all(torch.equal(exported[k], master[k].to(exported[k].dtype)) for k in exported)
 
 
 def test_generate_spread_over_two_ranks_slots(tmp_path):

@@ -440,6 +440,17 @@ def local_store_files(store: Path) -> list[Path]:
 ZERO_STAGES = {"zero2": [], "zero3": ["train.deepspeed_config=configs/ds_zero3_cpu.json"]}
 
 
+def export_is_the_checkpoints(run_dir: Path, it: int) -> None:
+    """models/iter_I holds the fp32 master weights of checkpoints/iter_I (in the export's dtype)."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    master = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag=f"iter_{it:05d}")
+    exported = load_file(run_dir / "models" / f"iter_{it:05d}" / "model.safetensors")
+    assert all(torch.equal(exported[k], master[k].to(exported[k].dtype)) for k in exported), it
+
+
 def whole_durable_copy(folder: Path, zero: str) -> None:
     """Every train rank's shards are in `folder`, and under ZeRO-2 the model states every node holds."""
     names = sorted(p.name for p in folder.iterdir())
@@ -470,6 +481,10 @@ def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tm
         assert re.search(rf"resumed weights and optimizer state from {re.escape(str(store))}/\S+/{node}/", text), text[-2000:]
     for it in (0, 1):  # the durable copies, whole: every rank's shard (and the model states)
         whole_durable_copy(run_dir / "checkpoints" / f"iter_{it:05d}", zero)
+    if zero == "zero3":  # no node holds the weights whole: save linked in the file train gathered them into
+        save_log = (run_dir / "logs" / "iter_00001" / "save" / "attempt_1" / "rank_00000.log").read_text()
+        assert "exported by linking" in save_log, save_log[-2000:]
+        export_is_the_checkpoints(run_dir, 1)
     assert local_store_files(store) == []  # the run's last persist emptied the nodes' folders
     # A new allocation: no node-local copy anywhere. Redo train of iteration 1 over both nodes.
     shutil.rmtree(store, ignore_errors=True)
