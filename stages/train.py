@@ -149,35 +149,33 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     outputs, extra, checkpoint_id = [], {"prunable": [f"checkpoints/{tag}/"]}, None
     if ctx.rank == 0 and not local:
         outputs = [ctx.paths.checkpoints / tag]
+    # Save links in the policy's weights from one file where it could read no whole checkpoint in
+    # time: one written after the marker, or ZeRO-3's node-local shards (save runs on one node).
+    for_save = writes is not None or (local is not None and zero_stage(run.ds_config) == 3)
+    policy = write_policy(ctx, run, writes) if for_save else None
     if writes is not None:
         # The checkpoint is not on disk yet: the marker lists the policy's weights instead, and a
         # record with this attempt's id (the policy file is too large to hash: a redone train must
         # still read as new input to save).
         checkpoint_id = dist.agree(uuid.uuid4().hex)
         record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
-        policy = deferred_checkpoint.write_policy(ctx, writes, run.engine, zero_stage(run.ds_config))
         if ctx.rank == 0:
             outputs = [policy, record]
             markers.write_json_atomic(record, {"id": checkpoint_id})
         pool = deferred_checkpoint.POOL
         extra = {"deferred_checkpoint": {"id": checkpoint_id, "snapshot_s": writes.snapshot_s,
                                          "snapshot_gb": writes.held / 1e9, "prepared_gb": pool.prepared_bytes / 1e9,
-                                         "prepared_taken_gb": pool.taken_bytes / 1e9},
-                 "prunable": [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]}
+                                         "prepared_taken_gb": pool.taken_bytes / 1e9}}
     if local:
         record = ctx.paths.local_checkpoint_record(ctx.iteration)
-        policy = None
-        if zero_stage(run.ds_config) == 3:
-            # Save runs as one task on one node, and ZeRO-3's weights are spread over every node's shards.
-            run.watchdog.beat("write the policy's weights")
-            policy = policy_file.write_gathered(run.engine, ctx.paths.train_policy(ctx.iteration), ctx.rank == 0)
+        if for_save:
             local["policy"] = True
         if ctx.rank == 0:
             markers.write_json_atomic(record, local)
             outputs = [record] + ([policy] if policy else [])
         extra = {"local_checkpoint": local}
-        if local.get("policy"):  # the next save removes it
-            extra["prunable"] = [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]
+    if for_save:  # the next save removes it
+        extra["prunable"] = [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]
     save_s = time.time() - t2
     if ctx.rank == 0:
         curve = ctx.paths.train_curve(ctx.iteration)
@@ -209,6 +207,17 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     if writes is not None:
         deferred_checkpoint.write_deferred(ctx, writes, checkpoint_id, run.watchdog)
     run.watchdog.stop()
+
+
+def write_policy(ctx: StageContext, run: TrainRun, writes) -> Path | None:
+    """The policy's weights for save (stages/rl/policy_file.py); its path on rank 0, which writes it.
+    ZeRO-3: gathered from every rank's shard (every rank calls). ZeRO 0-2: the model states the
+    deferred checkpoint holds in host memory."""
+    run.watchdog.beat("write the policy's weights")
+    path = ctx.paths.train_policy(ctx.iteration)
+    if zero_stage(run.ds_config) == 3:
+        return policy_file.write_gathered(run.engine, path, ctx.rank == 0)
+    return deferred_checkpoint.write_policy(ctx, writes) if ctx.rank == 0 else None
 
 
 def release_engine(run: TrainRun) -> None:
@@ -441,7 +450,7 @@ def resume_source(ctx: StageContext, tag: str) -> Path:
                 f"rank {ctx.rank} on node {dist.node_name()}: iteration {ctx.iteration - 1}'s checkpoint is not on "
                 f"this node ({problem}) and has no durable copy ({durable}; train.durable_every="
                 f"{ctx.cfg.train.durable_every}): the run goes back to iteration {last + 1}, after the last durable "
-                f"copy", last)
+                f"copy")
         log.info("resuming from the durable copy in %s: %s", ctx.paths.checkpoints, problem)
     return ctx.paths.checkpoints
 

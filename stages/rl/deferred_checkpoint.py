@@ -118,21 +118,15 @@ def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
     return writes
 
 
-def write_policy(ctx, writes: DeferredWrites, engine, zero_stage: int) -> Path | None:
-    """The policy's weights (in the training dtype) as one safetensors file under the train folder,
-    for save to export before the checkpoint is on disk; returns its path on rank 0, which writes it.
-    ZeRO 0-2: the held model states' module, on rank 0. ZeRO-3, whose ranks each hold a shard of
-    them: gathered from every rank (all ranks call)."""
-    path = ctx.paths.train_policy(ctx.iteration)
-    if zero_stage == 3:
-        return policy_file.write_gathered(engine, path, ctx.rank == 0)
-    if ctx.rank != 0:
-        return None
+def write_policy(ctx, writes: DeferredWrites) -> Path:
+    """Rank 0, ZeRO 0-2: the policy's weights (the held model states' module, in the training dtype)
+    as one safetensors file under the train folder, for save to export before the checkpoint is on
+    disk."""
     states = writes.find(local_checkpoints.MODEL_STATES)
     if states is None:
         raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
                            f"set train.deferred_checkpoint=false")
-    return policy_file.write(states["module"], path)
+    return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration))
 
 
 def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) -> None:

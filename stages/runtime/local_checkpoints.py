@@ -89,11 +89,8 @@ def last_durable(paths: RunPaths, before: int) -> int:
 class CheckpointGone(FileNotFoundError):
     """The checkpoint train resumes from is on no storage this rank can read: not on its node (the
     node was replaced or its storage cleared) and without a durable copy (train.durable_every). The
-    coordinator then goes back to the iteration after the last durable copy (`durable`, -1: none)."""
-
-    def __init__(self, message: str, durable: int):
-        super().__init__(message)
-        self.durable = durable
+    coordinator, seeing it named in the rank's failure record, goes back to the iteration after
+    the last durable copy (last_durable)."""
 
 
 def write_record(folder: Path, checkpoint_id: str, iteration: int, node: str, run_dir: Path) -> dict:
