@@ -201,3 +201,33 @@ def test_sliding_window_models_are_refused(models):
     config = model.config.__class__(**{**model.config.to_dict(), "layer_types": ["sliding_attention"] * 2})
     with pytest.raises(ValueError, match="generate.cache=static"):
         check_supported(config)
+
+
+def test_grouped_query_attention_takes_the_products_at_every_prefix(models, monkeypatch):
+    """With grouped-query attention every decode step goes through decode_attention, past the prefix
+    length where a model with one K/V head per query head switches to SDPA (which would repeat K/V per
+    group), and the log-probs still equal a teacher-forced pass."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl import decoding
+
+    base, tok, frequent = models("cpu")
+    config = base.config.__class__(**{**base.config.to_dict(), "num_key_value_heads": 2})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    monkeypatch.setattr(decoding, "MATMUL_ATTENTION_BELOW", 16)
+    prefixes = []
+    real = decoding.decode_attention
+
+    def counted(module, query, key, *args, **kwargs):
+        prefixes.append(key.shape[2])
+        return real(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "decode_attention", counted)
+    prompts = prompt_ids(tok)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)
+    (ids, lps), dec = decode(model, prompts, 2, params, seed=3, record=True)
+    # Every layer of every step after the prefill attended through the products, most of them past 16.
+    assert len(prefixes) == config.num_hidden_layers * dec.stats.steps > 0
+    assert max(prefixes) > 16
+    assert_teacher_forced(model, prompts, 2, ids, lps, 1.0, "cpu")

@@ -168,7 +168,9 @@ DECODE_ATTENTION = "syncrl_decode"
 # builds a plan for every new shape as a graph is captured, and the whole reference call took 7.0 s
 # with the products at every length against 7.7 s with SDPA from 256 (capture 1.0 s against 2.1 s,
 # tests/benchmarks/generate_cache.py). Longer prefixes than measured keep SDPA, whose memory does
-# not grow with rows x prefix as the products' float32 scores do.
+# not grow with rows x prefix as the products' float32 scores do; except with grouped-query
+# attention, where HF's SDPA path (a mask is given) repeats K and V for every query group, a copy of
+# the attended prefix larger than the products' scores, taken while the graph pools hold the rest.
 MATMUL_ATTENTION_BELOW = 1024
 
 
@@ -255,6 +257,8 @@ class CompactDecoder:
 
             AttentionInterface.register(DECODE_ATTENTION, globals()["decode_attention"])
         self.decode_attention = decode_attention
+        self._grouped = (model.config.num_key_value_heads or model.config.num_attention_heads) < \
+            model.config.num_attention_heads
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -489,7 +493,7 @@ class CompactDecoder:
         self.cache.active, self.cache.attend = b, attend
         config = self.model.config
         before = config._attn_implementation
-        if self.decode_attention and attend < MATMUL_ATTENTION_BELOW:
+        if self.decode_attention and (attend < MATMUL_ATTENTION_BELOW or self._grouped):
             config._attn_implementation = DECODE_ATTENTION
         try:
             out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],

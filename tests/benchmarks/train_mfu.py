@@ -28,7 +28,13 @@ or scattered (ZeRO's contiguous_gradients on or off; configs/ds_zero2_gpu.json h
 gradient is copied into a bucket buffer as it comes, instead of flattened and copied back around
 the reduction), and noreduce (on one rank, ZeRO's gradient reduction skipped, as train does:
 stages/rl/single_rank.py), and offload (the optimizer's state and step on the host, DeepSpeed's CPU
-Adam: configs/ds_zero2_cpuadam.json for z2, configs/ds_zero3_offload.json for z3).
+Adam: configs/ds_zero2_cpuadam.json for z2, configs/ds_zero3_offload.json for z3), and records
+(each step's loss and metrics read on the host a step late, as train does: stages/rl/step_records.py)
+or eager (the same record read right after its own step), and balance (the rows dealt into
+micro-batches of near-equal tokens, train.balance_tokens: with --mixed), and rehearse (the
+rehearsal of stages/rl/rehearsal.py run before the model is loaded: compare the first step's time in
+a fresh process, one variant per process).
+--mixed gives each row a completion of random length (as sampling does) instead of --seq tokens.
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
 functions by time over the timed steps (cProfile): where the host's dispatch goes when the GPU
@@ -65,14 +71,16 @@ def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
          "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False, "noreduce": False,
-         "offload": False, "contiguous_gradients": None, "name": text}
+         "offload": False, "records": False, "eager": False, "balance": False, "rehearse": False,
+         "contiguous_gradients": None, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "noreduce", "offload"):
+                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "noreduce", "offload", "records",
+                      "eager", "balance", "rehearse"):
             v[part] = True
         elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
             v["contiguous_gradients"] = part == "contiguous"
@@ -83,14 +91,18 @@ def parse_variant(text: str) -> dict:
     return v
 
 
-def synthetic_rows(n: int, seq: int, vocab: int, seed: int, micro: int = 1, vary: int = 0) -> list[dict]:
+def synthetic_rows(n: int, seq: int, vocab: int, seed: int, micro: int = 1, vary: int = 0,
+                   mixed: bool = False) -> list[dict]:
     """n rows of `seq` tokens; with vary, micro-batch i's rows are 8 * (i % vary) tokens shorter (each
-    micro-batch a new width, as the train stage's are)."""
+    micro-batch a new width, as the train stage's are); mixed, each row's completion 1 to seq - 128
+    tokens, uniformly."""
     rng = random.Random(seed)
     rows = []
     for k in range(n):
         prompt = [rng.randrange(4, vocab) for _ in range(128)]
         width = seq - (8 * ((k // micro) % vary) if vary else 0)
+        if mixed:
+            width = 128 + rng.randint(1, seq - 128)
         completion = [rng.randrange(4, vocab) for _ in range(width - 128)]
         rows.append({"prompt_ids": prompt, "completion_ids": completion,
                      "logprobs": [-rng.random() * 3 for _ in completion], "advantage": rng.choice([-1.0, 1.0])})
@@ -152,6 +164,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--vary", type=int, default=0,
                         help="cycle the micro-batches' widths over this many values, 8 tokens apart")
+    parser.add_argument("--mixed", action="store_true",
+                        help="completions of random lengths (1 to seq - 128 tokens) instead of all --seq")
     parser.add_argument("--variants", default="z2:m8,z2:m16,z2:m32,z3:m16")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--json", default=None)
@@ -170,7 +184,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import cuda_graphs, flops, grad_norm, packing, single_rank
+    from stages.rl import cuda_graphs, flops, grad_norm, packing, rehearsal, single_rank, step_records, steps
     from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -206,6 +220,13 @@ def main() -> int:
         if device.type != "cuda":
             ds.pop("bf16", None)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
+        if v["rehearse"]:
+            from transformers import AutoConfig
+
+            rehearsal.rehearse(AutoConfig.from_pretrained(model_dir), getattr(torch, dtype),
+                               SimpleNamespace(fused_rms_norm=v["fused"], fused_layers=v["kernels"]),
+                               SimpleNamespace(remove_padding=v["packed"], kl_coef=0.0, clip_eps=0.2,
+                                               max_grad_norm=1.0), 1.0, device)
         if args.shape is not None:
             if v["kl"]:
                 raise SystemExit("--shape: the kl variants need a reference replica per rank; use --preset")
@@ -234,8 +255,14 @@ def main() -> int:
         shape = flops.model_shape(engine.module)
         train_cfg = SimpleNamespace(clip_eps=0.2, kl_coef=0.05 if v["kl"] else 0.0)
         rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
-                              v["micro"], args.vary)
-        micros = [rows[i:i + v["micro"]] for i in range(0, len(rows), v["micro"])]
+                              v["micro"], args.vary, args.mixed)
+        if v["balance"]:
+            widths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
+            groups = steps.balanced_groups(widths, len(rows) // v["micro"], v["micro"])
+            random.Random(0).shuffle(groups)
+            micros = [[rows[i] for i in g] for g in groups]
+        else:
+            micros = [rows[i:i + v["micro"]] for i in range(0, len(rows), v["micro"])]
         fixed = None
         if v["graphs"]:
             t_capture = time.perf_counter()
@@ -259,15 +286,21 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        def run(steps, engine=engine, ref=ref, timed=False):
-            for batch in steps:
+        records = step_records.StepRecords()
+
+        def run(batches, engine=engine, ref=ref, timed=False):
+            for batch in batches:
                 t = time.perf_counter()
-                micro_step(engine, ref, batch, train_cfg, 1.0)
+                loss, metrics = micro_step(engine, ref, batch, train_cfg, 1.0)
                 if timed:
                     sync()
                     split["backward_s"] += time.perf_counter() - t
                     t = time.perf_counter()
                 engine.step()
+                if v["records"] or v["eager"]:
+                    records.add_step(engine, [{"loss": loss, **metrics}], sum(batch["lengths"]), flat_norm)
+                    if v["eager"]:
+                        records.last()
                 if timed:
                     sync()
                     split["step_s"] += time.perf_counter() - t
