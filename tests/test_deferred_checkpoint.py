@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -194,3 +196,45 @@ def test_host_memory_is_prepared_by_the_previous_snapshots_layout(tmp_path):
     none.turn_came()
     t0 = time.time()
     assert none.take((3, 4), torch.bfloat16) is None and time.time() - t0 < 1.0
+    # The previous checkpoint still being written: nothing is prepared until it is, and the budget
+    # is read then (its write may take host memory the snapshot must leave to it).
+    written, asked = [], []
+    waiting = HostPool()
+    waiting.prepare(layout, budget_bytes=lambda: asked.append(time.time()) or 1 << 20, ready=lambda: bool(written))
+    time.sleep(0.3)
+    assert not asked and waiting.prepared_bytes == 0
+    written.append(True)
+    assert waiting.take((3, 4), torch.bfloat16) is not None and len(asked) == 1
+    waiting.release()
+
+
+def test_the_snapshot_budget_counts_a_checkpoint_directory_in_host_memory(tmp_path, monkeypatch):
+    # A file written to tmpfs takes host memory as its snapshot did: the budget is halved there, and
+    # what the pool already holds for the snapshot is counted in (it is memory the snapshot has).
+    from types import SimpleNamespace
+
+    from stages.rl import deferred_checkpoint as dc
+
+    monkeypatch.setattr(dc, "available_host_bytes", lambda: 100 << 30)
+    disk = tmp_path / "run"
+    ctx = SimpleNamespace(world_size=2, info=SimpleNamespace(num_nodes=1),
+                          paths=SimpleNamespace(checkpoints=disk / "checkpoints"))
+    in_memory = Path("/dev/shm")
+    if not dc.memory_backed(in_memory):
+        pytest.skip("/dev/shm is not a tmpfs on this machine")
+    assert not dc.memory_backed(disk) or dc.memory_backed(tmp_path)
+    if dc.memory_backed(tmp_path):
+        pytest.skip("the test's temporary directory is itself on tmpfs")
+    share = int((100 << 30) * dc.HOST_MEMORY_SHARE / 2)
+    assert dc.snapshot_budget(ctx) == share
+    assert dc.snapshot_budget(ctx, held=8 << 30) == share + (8 << 30)
+    # The run dir's checkpoints/ a symbolic link to tmpfs, as a user may make it.
+    target = Path(tempfile.mkdtemp(dir=in_memory))
+    try:
+        disk.mkdir()
+        (disk / "checkpoints").symlink_to(target)
+        assert dc.memory_backed(disk / "checkpoints") and dc.memory_backed(disk / "checkpoints" / "iter_00001")
+        assert dc.snapshot_budget(ctx) == share // 2
+        assert dc.snapshot_budget(ctx, held=8 << 30) == (share + (8 << 30)) // 2
+    finally:
+        shutil.rmtree(target)

@@ -10,7 +10,9 @@ where writing from the GPU had taken 6.6-8.1 s before it; the copy to host memor
 is what stays before the marker.
 
 A file whose state does not fit the host-memory budget is written at once instead, as without
-deferral: a snapshot must never push the node into swap or the OOM killer.
+deferral: a snapshot must never push the node into swap or the OOM killer. Where the checkpoint
+directory is itself in host memory (tmpfs), each file written takes as much memory again as its
+snapshot, and the budget counts both.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import errno
 import json
 import logging
 import mmap
+import os
 import shutil
 import threading
 import time
@@ -59,6 +62,7 @@ class DeferredWrites:
         if self.held + size > self.budget:
             log.info("%s: %.2f GB does not fit the host-memory budget left (%.2f GB): written now", path, size / 1e9,
                      (self.budget - self.held) / 1e9)
+            POOL.release()  # what the pool prepared and the snapshot did not take goes before the write
             self.inner.save(state_dict, path)
             return
         t0 = time.time()
@@ -113,7 +117,7 @@ def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
     if why:
         log.info("checkpoint written before the marker: %s", why)
         return None
-    writes = DeferredWrites(engine.checkpoint_engine, snapshot_budget(ctx))
+    writes = DeferredWrites(engine.checkpoint_engine, snapshot_budget(ctx, held=POOL.untaken_bytes()))
     engine.checkpoint_engine = writes
     return writes
 
@@ -207,12 +211,13 @@ class HostPool:
         self._locked: dict[int, object] = {}  # data_ptr -> the mapping of a page-locked tensor
         self.prepared_bytes = self.taken_bytes = self.locked_bytes = 0
 
-    def prepare(self, layout_path: Path, budget_bytes: int, cuda_device: int | None = None) -> None:
+    def prepare(self, layout_path: Path, budget_bytes, cuda_device: int | None = None, ready=None) -> None:
         """Start preparing, in a thread, the tensors `layout_path` lists once it is there (the
-        previous train writes it with its snapshot); none if they would exceed `budget_bytes`.
-        With `cuda_device` (an index), page-locked for copies from that GPU."""
-        self._thread = threading.Thread(target=self._fill, args=(Path(layout_path), budget_bytes, cuda_device),
-                                        name="host-pool", daemon=True)
+        previous train writes it with its snapshot) and `ready()` is true; none if they would exceed
+        `budget_bytes` (bytes, or a function giving them, asked then). With `cuda_device` (an
+        index), page-locked for copies from that GPU."""
+        self._thread = threading.Thread(target=self._fill, name="host-pool", daemon=True,
+                                        args=(Path(layout_path), budget_bytes, cuda_device, ready or (lambda: True)))
         self._thread.start()
 
     def turn_came(self) -> None:
@@ -258,11 +263,18 @@ class HostPool:
             self._thread.join()
             self._thread = None
 
-    def _fill(self, path: Path, budget_bytes: int, cuda_device: int | None) -> None:
-        while not path.is_file():
-            if self._turn.is_set() and not path.is_file():
+    def untaken_bytes(self) -> int:
+        """Bytes prepared and not yet taken by the snapshot (once the filling thread is done)."""
+        self.wait()
+        return self.prepared_bytes - self.taken_bytes
+
+    def _fill(self, path: Path, budget_bytes, cuda_device: int | None, ready) -> None:
+        while not (path.is_file() and ready()):
+            if self._turn.is_set():
                 return
             time.sleep(0.1)
+        if callable(budget_bytes):
+            budget_bytes = budget_bytes()
         try:
             layout = [(dtype, tuple(shape)) for dtype, shape in json.loads(path.read_text())]
             sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in layout]
@@ -319,15 +331,37 @@ def prepare_pool(ctx, ds_config: dict) -> None:
     (a train process started early, before its turn; CUDA only: elsewhere nothing is copied)."""
     if ctx.iteration == 0 or why_not(ctx.cfg) or not torch.cuda.is_available():
         return
-    POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), snapshot_budget(ctx),
-                 cuda_device=ctx.info.local_rank % torch.cuda.device_count())
+    # The budget is read once the previous checkpoint is written: until then its write may still be
+    # taking host memory (a checkpoint directory on tmpfs), which the snapshot must leave to it.
+    previous_written = lambda: local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1) is None  # noqa: E731
+    POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), lambda: snapshot_budget(ctx),
+                 cuda_device=ctx.info.local_rank % torch.cuda.device_count(), ready=previous_written)
 
 
-def snapshot_budget(ctx) -> int:
+def snapshot_budget(ctx, held: int = 0) -> int:
     """Host memory one rank's snapshot may hold: HOST_MEMORY_SHARE of the node's available memory,
-    shared by the node's ranks."""
+    shared by the node's ranks, plus `held` (what the pool already holds for it); half that where the
+    checkpoint directory is in host memory, as each file written there takes its snapshot's size again."""
     ranks_per_node = max(1, ctx.world_size // max(1, ctx.info.num_nodes))
-    return int(available_host_bytes() * HOST_MEMORY_SHARE / ranks_per_node)
+    budget = available_host_bytes() * HOST_MEMORY_SHARE / ranks_per_node + held
+    return int(budget / (2 if memory_backed(ctx.paths.checkpoints) else 1))
+
+
+def memory_backed(path: Path) -> bool:
+    """Whether `path` (or where it will be: its symbolic links followed) is on a filesystem held in
+    host memory (tmpfs, ramfs), by the longest mount point of /proc/mounts that contains it."""
+    target = os.path.realpath(path)
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines() if len(line.split()) > 2]
+    except OSError:
+        return False
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind in ("tmpfs", "ramfs")
 
 
 def _rebuilt(obj, copies: dict):
