@@ -286,7 +286,7 @@ class Coordinator:
                     raise
         if result.lingering:
             # Every rank's marker is in: the stage is done, and its processes finish exiting (closing
-            # NCCL groups and CUDA contexts, 1.4-1.7 s for train on an H200) beside what comes next.
+            # NCCL groups and CUDA contexts takes seconds) beside what comes next.
             self.exiting[(it, stage)] = step
         # The marker below lets early-started stages waiting on it begin: they are running from then on,
         # so the background stages they must follow are finished first.

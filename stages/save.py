@@ -122,8 +122,8 @@ def link_export(weights_file: Path, policy: Path, dtype: str, out: Path, tokeniz
     names than the module's (what `weights_file` has).
 
     train's policy file already holds the export's bytes (the module's weights in the training dtype,
-    tied ones once): writing them again and reading them back took 2.0-2.2 s of the save stage on one
-    H200 for 0.96 GB, with the next generate waiting.
+    tied ones once): writing them again and reading them back would hold the next generate up for
+    no new byte.
     """
     t0 = time.time()
     model = meta_model(policy, dtype)
@@ -192,8 +192,8 @@ def write_model_files(model, out: Path, tokenizer: Path) -> None:
 def preload(ctx) -> None:
     """What a save process imports before it can start (for a process started early). DeepSpeed only
     where save may consolidate its checkpoint: with the checkpoint after train's marker it links
-    train's policy file in (on 1 H200 the import made a save started early 1.8-3.1 s late, beside
-    the next train's and generate's own imports)."""
+    train's policy file in, and importing DeepSpeed beside the next train's and generate's own
+    imports made a save started early late for its turn."""
     from stages.rl.deferred_checkpoint import why_not
 
     if why_not(ctx.cfg) is not None:

@@ -275,7 +275,7 @@ def write_checkpoint(ctx: StageContext, engine, publish: bool = True) -> dict | 
 
 # Modules deepspeed.initialize imports on its first call (DeepSpeed 0.19: its optimizer check
 # imports the Muon optimizer, which imports torch.compile's Inductor; the engine imports its
-# expert-parallel layers): 560 modules, 1.3 s of a 7.8 s initialize on the 2-core CPU machine.
+# expert-parallel layers): hundreds of modules, imported here before the turn instead of in it.
 DEEPSPEED_LAZY_IMPORTS = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
                           "deepspeed.module_inject.auto_ep")
 
@@ -551,7 +551,7 @@ def check_gradient(ctx: StageContext, record: dict) -> None:
     """Stop at an optimizer step whose gradient norm is not finite, unless DeepSpeed skipped it.
 
     configs/ds_zero2_gpu.json turns DeepSpeed's bf16 overflow check off (a per-parameter inf/NaN
-    pass and a device sync in every step: 35 of 54 ms of a step on 1 H200, docs/benchmarks.md); the
+    pass and a device sync in every step, much of a small model's step); the
     gradient norm it computes anyway shows the same thing. A step's record is read while the next
     step runs (step_records.py), so the stop comes one step later; all ranks see the same
     all-reduced norm and stop together; the marker and checkpoint are not written, so the previous

@@ -15,9 +15,8 @@ from stages.rl.modeling import token_logprobs
 
 # SDPA backends for these passes: every backend but cuDNN's. cuDNN builds an execution plan for each
 # new (rows, width) shape, tens to hundreds of ms each, and these passes see a new shape at almost
-# every micro-batch (rows grouped by length). Flash attention needs no plan. On 1 H200 the
-# token-budget micro-batches took 36.6 s per iteration with cuDNN against 17.2 s for fixed ones that
-# were nearly all one shape (docs/benchmarks.md).
+# every micro-batch (rows grouped by length), so the plans would cost more than the passes.
+# Flash attention needs no plan.
 PASS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Per forward pass when generate scores its completions: logit elements (2^30: 2 GB of bf16 logits)

@@ -1,7 +1,7 @@
 """CUDA graphs of the policy's decoder layers for train's update (train.cuda_graphs).
 
-A small model's update is bound by the host: on 1 H200 a step of 32 packed rows of the 0.48B
-small-llama launched ~6.8k kernels, and the GPU waited for them (docs/benchmarks.md). Each layer's
+A small model's update is bound by the host: a step launches thousands of kernels, and the GPU
+waits for them. Each layer's
 forward and backward captured as a CUDA graph replays as one launch. A graph replays fixed tensor
 shapes, so every micro-batch is packed to one shape (packing.fixed_shape, packing.pack's `shape`).
 
@@ -21,8 +21,7 @@ from stages.rl.packing import PackedShape
 
 # Eager forward and backward passes of each layer before its capture: lazy initialisation (kernel
 # loads, cuBLAS workspaces, autotuning) must not happen inside a capture, and one pass does all of it.
-# Against make_graphed_callables' default of 3 it cut the capture from 0.4 to 0.2 s per iteration
-# on 1 x H200, the GPU tests of captured layers passing (docs/benchmarks.md, fifteenth session).
+# make_graphed_callables' default of 3 only lengthens the capture (docs/benchmarks.md).
 WARMUP_PASSES = 1
 
 

@@ -145,8 +145,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """Attention of one new position per row over a short attended prefix, as two batched products.
 
     SDPA with a mask runs cuDNN's prefill kernel here, which tiles the single query up to a block
-    of rows: on 1 H200 it took 0.26 ms per layer at 1024 rows x 64 positions (1.3 TB/s). Query heads
-    that share a K/V head (grouped-query attention) go in one product, without repeating K/V.
+    of rows and wastes most of it. Query heads that share a K/V head (grouped-query attention) go in
+    one product, without repeating K/V.
     """
     b, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -162,13 +162,12 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 DECODE_ATTENTION = "syncrl_decode"
-# Attended prefixes shorter than this go through decode_attention, longer ones through SDPA. On 1 H200
-# one step at 1024 rows took 8.9 ms with the products against SDPA's 11.0 at 64 positions, the same
-# at 256, and 27.1 against 22.6 at 576 (tests/benchmarks/decode_step.py); but SDPA's cuDNN kernel
-# builds a plan for every new shape as a graph is captured, and the whole reference call took 7.0 s
-# with the products at every length against 7.7 s with SDPA from 256 (capture 1.0 s against 2.1 s,
-# tests/benchmarks/generate_cache.py). Longer prefixes than measured keep SDPA, whose memory does
-# not grow with rows x prefix as the products' float32 scores do; except with grouped-query
+# Attended prefixes shorter than this go through decode_attention, longer ones through SDPA. The
+# products win at short prefixes and lose at long ones step by step (tests/benchmarks/decode_step.py),
+# but SDPA's cuDNN kernel builds a plan for every new shape as a graph is captured, which made the
+# whole call slower with SDPA from short prefixes on (tests/benchmarks/generate_cache.py). Longer
+# prefixes than measured keep SDPA, whose memory does not grow with rows x prefix as the products'
+# float32 scores do; except with grouped-query
 # attention, where HF's SDPA path (a mask is given) repeats K and V for every query group, a copy of
 # the attended prefix larger than the products' scores, taken while the graph pools hold the rest.
 MATMUL_ATTENTION_BELOW = 1024
@@ -516,7 +515,7 @@ class CompactDecoder:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end rather than torch.cuda.graph(), which collects garbage and empties the
-        # allocator's cache before every capture (0.1 s each with a stage's heap). One memory pool for
+        # allocator's cache before every capture (slow with a stage's heap). One memory pool for
         # all graphs: they never run at once, and each keeps nothing past its replay (the logits go
         # to the decoder's own buffer).
         self._stream.wait_stream(torch.cuda.current_stream())

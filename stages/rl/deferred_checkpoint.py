@@ -5,9 +5,7 @@ shard) and hands it to its checkpoint engine's save(state, path). DeferredWrites
 engine: save() copies the state's tensors to host memory and queues the file; flush() writes the
 queue with the engine it replaced. Between the two, train writes the policy's weights for save,
 frees the GPU and writes its marker, so save and the next generate do not wait for the optimizer
-state to reach the disk. On 1 H200 (0.48B model, 6.66 GB) the write took 2.2 s after the marker,
-where writing from the GPU had taken 6.6-8.1 s before it; the copy to host memory (copy_to_host)
-is what stays before the marker.
+state to reach the disk. The copy to host memory (copy_to_host) is what stays before the marker.
 
 A file whose state does not fit the host-memory budget is written at once instead, as without
 deferral: a snapshot must never push the node into swap or the OOM killer. Where the checkpoint
@@ -193,14 +191,13 @@ class HostPool:
     """Host tensors laid out as the previous iteration's snapshot, their pages faulted in while the
     train process waits for its turn, for copy_to_host to fill.
 
-    Fresh host memory is faulted in page by page as it is first written: on one H200 machine that put
-    the snapshot's copy at 3.8-4.0 s (6.66 GB) before train's marker, 0.7-1.7 s on others. A train
-    process started early has seconds to spare before its turn (save, generate, score and gather of
+    Fresh host memory is faulted in page by page as it is first written, which would put that cost
+    on the copy before train's marker. A train process started early has seconds to spare before its turn (save, generate, score and gather of
     the iteration run meanwhile); it spends them on one core, outside the GIL.
 
     On CUDA each tensor is its own page-aligned mapping, page-locked (registered with CUDA), so the
-    GPU copies into it directly at full bus speed: 6.66 GB into page-locked memory took 0.12 s, through
-    two page-locked buffers into touched pageable memory 0.75-1.0 s (tests/benchmarks/snapshot_copy.py).
+    GPU copies into it directly at full bus speed, several times faster than through page-locked
+    buffers into pageable memory (tests/benchmarks/snapshot_copy.py).
     Locking costs about what allocating does, and is paid before the turn. Elsewhere, or where CUDA
     refuses to lock, the pages are only faulted in (memset)."""
 
@@ -378,9 +375,9 @@ def _rebuilt(obj, copies: dict):
 
 
 # Page-locked buffers the CUDA copies into pageable memory go through (two: one fills from the GPU
-# while the other is copied out). On 1 H200, 6.66 GB of checkpoint state took 5.6 s with
-# tensor.to("cpu") into fresh pageable memory, 0.75-1.0 s staged so (tests/benchmarks/snapshot_copy.py);
-# page-locking the whole snapshot costs 4.9 s, which only a process started early can spare (HostPool).
+# while the other is copied out): far faster than tensor.to("cpu") into fresh pageable memory
+# (tests/benchmarks/snapshot_copy.py). Page-locking the whole snapshot is faster still, but costs
+# about what allocating does, which only a process started early can spare (HostPool).
 STAGING_BYTES = 64 << 20
 
 

@@ -1,7 +1,7 @@
 """Fewer, larger kernels in the decoder layers' attention and MLP (model.fused_layers).
 
-On 1 H200 a train step of the 0.48B small-llama spent about a third of its layers' GPU time outside
-matrix products and attention: HF's rotary embedding is ten elementwise kernels a layer forward (five
+A train step spends a large share of its layers' GPU time outside matrix products and attention
+(docs/benchmarks.md): HF's rotary embedding is ten elementwise kernels a layer forward (five
 for each of queries and keys, on transposed views that do not vectorize) and more backward, and
 SiLU-times-up three more, each reading and writing a full activation (docs/benchmarks.md). Here:
   - q, k and v come from one matrix product with the three weights concatenated (the activations are

@@ -73,9 +73,7 @@ def load_policy(path: Path, dtype: str, device: torch.device | None = None, spre
 
 # RMSNorm classes whose forward is weight * x / rms(x), the formula torch.nn.functional.rms_norm
 # computes (Gemma's, weight + 1, is not). HF's forward is seven kernels and an fp32 copy of its
-# input, forward and again backward; on CUDA F.rms_norm is one fused kernel each way. On 1 H200 the
-# unfused pieces of RMSNorm, SiLU and rotary were most of a train step's kernel time
-# (docs/benchmarks.md).
+# input, forward and again backward; on CUDA F.rms_norm is one fused kernel each way.
 FUSABLE_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
 
@@ -104,8 +102,7 @@ def compile_layers(model, backend: str) -> int:
 
     One block's graph serves every layer (its weights are the graph's inputs), and its sequence
     length and row offsets are symbolic (dynamic=True): a fresh train process traces one layer once,
-    where compiling the whole model traced all of them (9.5 s for the first step with Inductor's cache
-    warm, docs/benchmarks.md), and the packed micro-batches' lengths, new every time, do not recompile.
+    where compiling the whole model traced all of them, and the packed micro-batches' lengths, new every time, do not recompile.
     The module tree and the parameters stay as they are: DeepSpeed's gradient hooks and the
     checkpoint's names do not see the compile."""
     blocks = repeated_blocks(model, "train.compile", "eager")

@@ -1,8 +1,7 @@
 """A micro-batch's rows packed end to end into one sequence, without padding (train.remove_padding).
 
-Right-padded micro-batches run every row to the longest row's width: on the reference workload (1
-H200, 2,048 rows of 4-token prompts and completions of up to 512) train ran 1.01M positions for
-297k real tokens. Packed, the forward and backward run only the real tokens. Each row keeps its
+Right-padded micro-batches run every row to the longest row's width: where completions vary in
+length, most of the positions run are padding. Packed, the forward and backward run only the real tokens. Each row keeps its
 own positions (0, 1, ... for the rotary embedding) and attends only within itself: the attention
 is variable-length (cumulative row offsets), torch's flash-attention kernel on CUDA
 (torch.nn.attention.varlen) and one causal SDPA call per row elsewhere.
@@ -163,8 +162,7 @@ def token_major(x: torch.Tensor) -> torch.Tensor:
     takes it; no copy either way where x is a transposed view of a contiguous [1, T, H, D] (the
     fused layers' q, k, v). Squeezed, not indexed: x[0]'s backward writes the gradient into new zeros
     through a strided copy, and the rotary kernel's backward then copies it again to make it
-    contiguous. On 1 H200 that was 6 copies and 3 fills a layer, and a step went from 47 to 44 ms with
-    the same gradient norm (docs/benchmarks.md)."""
+    contiguous: copies and fills in every layer for nothing."""
     return x.squeeze(0).transpose(0, 1).contiguous()
 
 

@@ -1,11 +1,9 @@
 """One training micro-step rehearsed on a one-layer model of the policy's architecture, before train's turn.
 
-CUDA loads a kernel the first time a process launches it. On 1 H200 the first micro-batch of a train
-process took 0.4 s against ~0.05 s for the others, nearly all of it in the first launch of each
-kernel of the log-probs, the loss, their backward and the optimizer step: 150 ms for logsumexp,
-10-40 ms each for square, exp, clamp, gather, masked_fill, the embedding's backward and more
-(docs/benchmarks.md, 2026-12-03). The Triton kernels of model.fused_layers are compiled or read from
-Triton's cache on first use too (0.5 s in a fresh process).
+CUDA loads a kernel the first time a process launches it, so the first micro-batch of a fresh train
+process runs several times longer than the others: nearly all of it in the first launch of each
+kernel of the log-probs, the loss, their backward and the optimizer step (docs/benchmarks.md). The
+Triton kernels of model.fused_layers are compiled or read from Triton's cache on first use too.
 
 A train process started early runs the same path once on a model with one decoder layer and the
 policy's widths, vocabulary and dtype (so the same kernel variants), on a packed or padded batch as

@@ -54,8 +54,8 @@ def optimizer_steps(rows: list[dict], ctx) -> list[OptimizerStep]:
 
 
 # What one more micro-batch costs, in padded positions: a forward and backward of every layer,
-# however few rows it holds. On 1 H200 (small-llama, eager) a step of 32 rows padded to 576
-# positions took ~310 ms, a micro-batch's fixed part ~30 ms of it.
+# however few rows it holds: the fixed part of a micro-batch, measured on the reference workload as
+# about a tenth of a 32-row step (docs/benchmarks.md).
 MICRO_BATCH_POSITIONS = 2048
 
 

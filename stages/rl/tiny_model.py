@@ -23,7 +23,7 @@ PRESETS = {
     # ~70k parameters: trains in well under a second per step on 2 CPU cores.
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=4, max_position_embeddings=512),
-    # ~0.48B parameters in its transformer blocks: the GPU benchmarks' model (bf16, H200).
+    # ~0.48B parameters in its transformer blocks: the reference workload's model (bf16, one GPU).
     "small-llama": dict(hidden_size=1280, intermediate_size=3456, num_hidden_layers=24, num_attention_heads=20,
                         num_key_value_heads=20, max_position_embeddings=4096),
     # The block dimensions of Llama-3.2-3B (2.8B parameters in its blocks) and Llama-3.1-8B (7.0B),

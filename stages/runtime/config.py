@@ -35,15 +35,13 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
     # The RMSNorms of Llama, Mistral and Qwen layers run torch's fused kernel (F.rms_norm) in generate
-    # and train instead of HF's unfused forward (stages/rl/modeling.py, fuse_rms_norms). On 1 H200
-    # (small-llama, 32 x 576 tokens) a train step took 0.215-0.225 s against 0.271-0.275 s, and
-    # sampling the reference workload 6.5 s against 6.9 s (docs/benchmarks.md).
+    # and train instead of HF's unfused forward (stages/rl/modeling.py, fuse_rms_norms): one kernel
+    # each way instead of a chain of element-wise ones (docs/benchmarks.md has its gain).
     fused_rms_norm: bool = True
     # Llama, Mistral and Qwen2 attention and MLP on a GPU: q, k and v from one matrix product, gate and
     # up from another, the rotary embedding and SiLU(gate) * up each one Triton kernel a direction
     # (stages/rl/fused_layers.py), for train's update and the whole-sequence log-prob passes; decoding
-    # with a KV cache and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it). On
-    # 1 H200 a graphed step of 32 packed rows of small-llama went from 64 to 55 ms (docs/benchmarks.md).
+    # with a KV cache and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it).
     fused_layers: bool = True
 
     def __post_init__(self):
@@ -96,8 +94,8 @@ class GenerateConfig:
     # generate() with a preallocated cache (every sequence of a call runs until the longest stops,
     # attending over the whole preallocated length): for architectures compact refuses (sliding-window
     # or hybrid layers). "dynamic" is generate() with a growing cache. (HF's torch.compile of the
-    # static cache and transformers' continuous batching were measured and removed: on the reference
-    # workload they reached 5.0k and 3.3k-6.0k new tokens/s against compact's 25k; docs/benchmarks.md.)
+    # static cache and transformers' continuous batching were measured and removed: both were several
+    # times slower than compact on the reference workload; docs/benchmarks.md.)
     cache: str = "compact"
     # compact: the share of the GPU memory free after the model is loaded that the KV buffer (sized
     # for every sequence reaching max_new_tokens) may take; the rest is left for activations and the
@@ -119,8 +117,8 @@ class GenerateConfig:
     # gpus_per_process GPUs; the share of each GPU's memory it may take, the rest holding the HF
     # copy of the policy that computes the old log-probs.
     vllm_memory_fraction: float = 0.5
-    # backend "vllm": run eagerly, without torch.compile and CUDA graphs: they took 17 s and 4 s of
-    # the engine's 49 s start on 1 H200 (docs/benchmarks.md); what eager decoding costs is not measured.
+    # backend "vllm": run eagerly, without torch.compile and CUDA graphs, which are most of a fresh
+    # engine's start (docs/benchmarks.md); what eager decoding costs is not measured.
     vllm_enforce_eager: bool = False
     # backend "vllm": keep one engine per generate rank alive for the whole run (stages/engine.py, a
     # job step beside the stages) instead of starting vLLM in every iteration's generate. Between
@@ -202,9 +200,8 @@ class TrainConfig:
     # of each micro-batch's token mean. > 0: the same rows are grouped by length into micro-batches
     # whose padded size (rows x longest row) stays within this many positions (a longer row runs
     # alone), every rank running as many as the busiest, and the loss is the token mean over the
-    # whole optimizer step on all ranks, whatever the grouping. On the reference workload (1 H200,
-    # 32-row steps) it halved the padded positions but not the update time, which a micro-batch's
-    # fixed cost dominates there (docs/benchmarks.md); steps of many more rows may differ (not measured).
+    # whole optimizer step on all ranks, whatever the grouping. Where a micro-batch's fixed cost
+    # dominates the update, fewer padded positions do not shorten it (docs/benchmarks.md).
     max_tokens_per_micro_batch: int = 0
     # Deal each epoch's shuffled rows into micro-batches of near-equal token counts (longest rows
     # first, each to the micro-batch with the fewest tokens so far; stages/rl/steps.py) instead of in
@@ -214,8 +211,7 @@ class TrainConfig:
     balance_tokens: bool = True
     # Each micro-batch's rows packed end to end into one sequence, attention within each row
     # (stages/rl/packing.py), so the forward and backward run no padding: the same loss and gradient
-    # as right-padded rows, over the real tokens only. On the reference workload (1 H200) train ran
-    # 297k positions instead of 990k, and its update took 12.3 s instead of 13.3 (docs/benchmarks.md).
+    # as right-padded rows, over the real tokens only.
     remove_padding: bool = True
     epochs: int = 1
     clip_eps: float = 0.2

@@ -55,13 +55,11 @@ class Stage:
 # copy, waits for it.
 # Score and gather start in well under a second: not worth starting early. Train starts when the
 # previous train starts, so that its imports have a whole train, save, generate, score and gather
-# to hide behind (on 1 H200, started at save instead, its imports took 14-21 s beside ~12 s of
-# save, generate, score and gather, and its turn waited 3.8-7.9 s for them); in iteration 0, at
-# generate. It builds nothing on the GPU before its turn. Save starts with generate: started with
-# train, beside the next generate's and train's imports, its own imports ran 1.8-3.1 s past its turn.
-# The next generate starts with this generate: started with train, beside the next train's imports
-# and a 5 s update, its imports took 11-12 s and its turn waited 2.4-3.8 s for them (0.6-0.8 s
-# started with generate).
+# to hide behind (started at save, they outlasted the light stages and its turn waited for them);
+# in iteration 0, at generate. It builds nothing on the GPU before its turn. Save starts with
+# generate: started with train, its imports competed with the next generate's and train's and ran
+# past its turn. The next generate starts with this generate, for the same reason: started with
+# train, its imports shared the host with the next train's and the update.
 PIPELINE = (
     Stage("generate", every_rank=True, grouped=True, gpu=True, reads=(("save", -1),),
           starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(0, "save", "train", 0),

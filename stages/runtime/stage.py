@@ -249,7 +249,7 @@ def exit_now(code: int) -> None:
     """Flush every stream, then end the process without the interpreter's teardown.
 
     Outputs and marker are on disk by now: unloading torch, DeepSpeed and transformers module by
-    module took 0.7-1.0 s per process on 2 CPU cores and about 3 s for a train process on an H200.
+    module takes seconds per process, and the next stage on the GPU would wait for it.
     (The coordinator counts the stage done once every rank's marker is in, without waiting for the
     exit; the next stage on the GPUs waits for it, at most retry.exit_grace_s.)
     """
