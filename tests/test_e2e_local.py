@@ -187,7 +187,7 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer(tmp_path):
     assert re.search(r"policy and \d+ reference layers compiled with torch.compile backend aot_eager", log)
     steps = [json.loads(line) for line in (run / "iter_00001" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all(s["kl"] >= 0 for s in steps)  # one step of 32 rows per epoch, however grouped
-    assert steps[1]["step"] == steps[0]["step"] + 1  # each record read a step late, in order
+    assert steps[1]["step"] == steps[0]["step"] + 1  # one record per optimizer step, in order
     assert any(s["kl"] > 0 for s in steps)  # the policy moved away from the reference in iteration 0
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00001")

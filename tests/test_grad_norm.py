@@ -53,3 +53,19 @@ def test_the_flat_norm_is_refused_where_it_cannot_run():
         problems = "\n".join(check(cfg, "local"))
         assert says in problems and "set train.grad_norm=deepspeed" in problems, problems
     assert check(load_config("configs/local_tiny.yaml", ["train.grad_norm=flat"]), "local") == []
+
+
+def test_the_flat_norm_runs_only_on_the_deepspeed_releases_it_was_checked_against(monkeypatch):
+    # FlatGradNorm reaches into the ZeRO optimizer's attributes: the installed DeepSpeed must be one it
+    # was checked against (a DeepSpeed upgrade fails here until the flat norm is checked again), and
+    # another release is refused with the fix.
+    import deepspeed
+
+    from stages.rl import grad_norm
+
+    assert grad_norm.checked_release(deepspeed.__version__), deepspeed.__version__
+    assert grad_norm.checked_release("0.19.8") and not grad_norm.checked_release("0.20.0rc1")
+    assert not grad_norm.checked_release("0.14.4")
+    monkeypatch.setattr(deepspeed, "__version__", "0.21.0")
+    with pytest.raises(ValueError, match="DeepSpeed 0.21.0: set train.grad_norm=deepspeed"):
+        grad_norm.FlatGradNorm(object(), 1.0)

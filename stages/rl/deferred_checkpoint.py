@@ -192,8 +192,9 @@ class HostPool:
     train process waits for its turn, for copy_to_host to fill.
 
     Fresh host memory is faulted in page by page as it is first written, which would put that cost
-    on the copy before train's marker. A train process started early has seconds to spare before its turn (save, generate, score and gather of
-    the iteration run meanwhile); it spends them on one core, outside the GIL.
+    on the copy before train's marker. A train process started early has seconds to spare before
+    its turn (save, generate, score and gather of the iteration run meanwhile); it spends them on one
+    core, outside the GIL.
 
     On CUDA each tensor is its own page-aligned mapping, page-locked (registered with CUDA), so the
     GPU copies into it directly at full bus speed, several times faster than through page-locked

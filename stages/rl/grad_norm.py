@@ -1,19 +1,32 @@
 """train.grad_norm: flat — the gradient norm and its clipping on ZeRO's flat fp32 partition.
 
 DeepSpeed's ZeRO 1-2 step takes the norm one parameter at a time (a dtype copy and a norm each: two
-kernels and a dozen Python calls per parameter, 44% of the step's host time for small-llama's 219
-parameters on the CPU machine, tests/benchmarks/train_mfu.py's nonorm variant). The same norm is one
+kernels and a dozen Python calls per parameter; tests/benchmarks/train_mfu.py's nonorm variant
+measures what that costs). The same norm is one
 multi-tensor norm of the flat fp32 gradient partition that the step hands its optimizer, then one
 all-reduce over the data-parallel ranks (their partitions are disjoint). The clipping is DeepSpeed's:
 gradients scaled by min(1, max_norm / (norm + 1e-6)); a non-finite norm is reported as it is.
 
 DeepSpeed's own norm and clipping are turned off for it (zero_optimization.compute_grad_norm false,
 gradient_clipping 0: deepspeed_settings); the norm is read back through FlatGradNorm.norm.
+
+It reaches into the ZeRO optimizer's attributes (its flat fp32 groups, its inner optimizer's step),
+which are not DeepSpeed's public interface: it runs only on the DeepSpeed releases it was checked
+against (CHECKED_DEEPSPEED; tests/test_grad_norm.py pins the installed one to them).
 """
 
 from __future__ import annotations
 
 import torch
+
+# DeepSpeed releases whose ZeRO 1-2 optimizer FlatGradNorm was checked against: [first, last).
+CHECKED_DEEPSPEED = ((0, 15), (0, 20))
+
+
+def checked_release(version: str) -> bool:
+    """Whether DeepSpeed `version` ("0.19.8", "0.20.0rc1") is within CHECKED_DEEPSPEED."""
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    return CHECKED_DEEPSPEED[0] <= major_minor < CHECKED_DEEPSPEED[1]
 
 
 def deepspeed_settings(ds: dict) -> dict:
@@ -28,6 +41,13 @@ class FlatGradNorm:
     flat fp32 partition, just before the optimizer updates the weights."""
 
     def __init__(self, engine, max_norm: float):
+        import deepspeed
+
+        if not checked_release(deepspeed.__version__):
+            low, high = (".".join(map(str, v)) for v in CHECKED_DEEPSPEED)
+            raise ValueError(f"train.grad_norm=flat reaches into DeepSpeed's ZeRO optimizer, checked against releases "
+                             f"{low} to before {high}; this is DeepSpeed {deepspeed.__version__}: set "
+                             "train.grad_norm=deepspeed")
         zero = engine.optimizer
         groups = getattr(zero, "single_partition_of_fp32_groups", None)
         if groups is None or getattr(zero, "cpu_offload", False):

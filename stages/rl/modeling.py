@@ -102,7 +102,8 @@ def compile_layers(model, backend: str) -> int:
 
     One block's graph serves every layer (its weights are the graph's inputs), and its sequence
     length and row offsets are symbolic (dynamic=True): a fresh train process traces one layer once,
-    where compiling the whole model traced all of them, and the packed micro-batches' lengths, new every time, do not recompile.
+    where compiling the whole model traced all of them, and the packed micro-batches' lengths, new
+    every time, do not recompile.
     The module tree and the parameters stay as they are: DeepSpeed's gradient hooks and the
     checkpoint's names do not see the compile."""
     blocks = repeated_blocks(model, "train.compile", "eager")

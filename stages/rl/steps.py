@@ -3,10 +3,8 @@
 Rows are shuffled per epoch (seeded, the same on every rank) and dealt into micro-batches of
 train.micro_batch_size rows: in shuffled order, or (train.balance_tokens) with near-equal tokens per
 micro-batch. A step's time follows its tokens: ranks wait at the gradient all-reduce for the one
-with the most, and captured CUDA graphs (train.cuda_graphs) run every micro-batch padded to the
-largest; randomly dealt 32-row micro-batches of the reference workload ranged from 3.5k to 7.4k
-positions, and a quarter of what the graphs ran was padding (docs/benchmarks.md). With
-train.max_tokens_per_micro_batch, each step's rows are regrouped by length within a token budget.
+with the most. With train.max_tokens_per_micro_batch, each step's rows are regrouped by length
+within a token budget.
 """
 
 from __future__ import annotations

@@ -16,9 +16,7 @@ packed (each micro-batch's rows as one sequence, train.remove_padding), serial (
 overlap_comm off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
-inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
-as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed)
-nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
+inf/NaN pass in the optimizer step), nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
 a bound, not a setting train offers) and flatnorm (the norm and clipping on the flat fp32 partition
 instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
 the MLP's gate/up each one matrix product, the rotary embedding and SiLU-times-up Triton kernels:
@@ -26,11 +24,10 @@ model.fused_layers) and onebucket (ZeRO's reduce_bucket_size at 5e8, above small
 bucket flush, and one device sync, per backward instead of one per 2e8 elements), and contiguous
 or scattered (ZeRO's contiguous_gradients on or off; configs/ds_zero2_gpu.json has it off: on, each
 gradient is copied into a bucket buffer as it comes, instead of flattened and copied back around
-the reduction), and noreduce (on one rank, ZeRO's gradient reduction skipped, as train does:
-stages/rl/single_rank.py), and offload (the optimizer's state and step on the host, DeepSpeed's CPU
+the reduction), and offload (the optimizer's state and step on the host, DeepSpeed's CPU
 Adam: configs/ds_zero2_cpuadam.json for z2, configs/ds_zero3_offload.json for z3), and records
-(each step's loss and metrics read on the host a step late, as train does: stages/rl/step_records.py)
-or eager (the same record read right after its own step), and balance (the rows dealt into
+(each step's loss and metrics read on the host after its step, as train does:
+stages/rl/step_records.py), and balance (the rows dealt into
 micro-batches of near-equal tokens, train.balance_tokens: with --mixed), and rehearse (the
 rehearsal of stages/rl/rehearsal.py run before the model is loaded: compare the first step's time in
 a fresh process, one variant per process).
@@ -69,9 +66,9 @@ OFFLOAD_CONFIGS = {2: "configs/ds_zero2_cpuadam.json", 3: "configs/ds_zero3_offl
 
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
-         "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
-         "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False, "noreduce": False,
-         "offload": False, "records": False, "eager": False, "balance": False, "rehearse": False,
+         "packed": False, "serial": False, "layers": False, "nocheck": False,
+         "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False,
+         "offload": False, "records": False, "balance": False, "rehearse": False,
          "contiguous_gradients": None, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
@@ -79,15 +76,12 @@ def parse_variant(text: str) -> dict:
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck",
-                      "graphs", "nonorm", "flatnorm", "kernels", "onebucket", "noreduce", "offload", "records",
-                      "eager", "balance", "rehearse"):
+                      "nonorm", "flatnorm", "kernels", "onebucket", "offload", "records", "balance", "rehearse"):
             v[part] = True
         elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
             v["contiguous_gradients"] = part == "contiguous"
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
-    if v["graphs"] and not v["packed"]:
-        raise SystemExit(f"{text}: graphs captures packed micro-batches; add :packed")
     return v
 
 
@@ -184,7 +178,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import cuda_graphs, flops, grad_norm, packing, rehearsal, single_rank, step_records, steps
+    from stages.rl import flops, grad_norm, packing, rehearsal, step_records, steps
     from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -244,8 +238,6 @@ def main() -> int:
                     packing.use_packed_attention(m)
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
         flat_norm = grad_norm.FlatGradNorm(engine, 1.0) if v["flatnorm"] else None
-        if v["noreduce"] and not single_rank.skip_gradient_reduction(engine):
-            raise SystemExit(f"{v['name']}: noreduce needs one rank and ZeRO 1-2 without contiguous gradients")
         if v["compile"]:
             engine.compile()
         if v["layers"]:
@@ -263,17 +255,8 @@ def main() -> int:
             micros = [[rows[i] for i in g] for g in groups]
         else:
             micros = [rows[i:i + v["micro"]] for i in range(0, len(rows), v["micro"])]
-        fixed = None
-        if v["graphs"]:
-            t_capture = time.perf_counter()
-            fixed = packing.fixed_shape(micros)
-            cuda_graphs.capture_layers(engine.module, fixed, device)
-            if rank == 0:
-                print(f"{v['name']}: captured at {fixed.positions} positions, {fixed.segments - 1} rows of up to "
-                      f"{fixed.max_length} in "
-                      f"{time.perf_counter() - t_capture:.1f} s", flush=True)
         if v["packed"]:
-            batches = [packing.pack(m, device, fixed) for m in micros]
+            batches = [packing.pack(m, device) for m in micros]
         else:
             batches = [collate(m, device) for m in micros]
         if device.type == "cuda":
@@ -286,8 +269,6 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        records = step_records.StepRecords()
-
         def run(batches, engine=engine, ref=ref, timed=False):
             for batch in batches:
                 t = time.perf_counter()
@@ -297,10 +278,8 @@ def main() -> int:
                     split["backward_s"] += time.perf_counter() - t
                     t = time.perf_counter()
                 engine.step()
-                if v["records"] or v["eager"]:
-                    records.add_step(engine, [{"loss": loss, **metrics}], sum(batch["lengths"]), flat_norm)
-                    if v["eager"]:
-                        records.last()
+                if v["records"]:
+                    step_records.step_record(engine, [{"loss": loss, **metrics}], sum(batch["lengths"]), flat_norm)
                 if timed:
                     sync()
                     split["step_s"] += time.perf_counter() - t

@@ -78,7 +78,8 @@ def main() -> int:
             engine.step()  # not a boundary: accumulates only
     grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
     engine.step()
-    # A captured CUDA graph reads each parameter where it was at the capture (train.cuda_graphs).
+    # The optimizer step updates each parameter in place: what holds a view of one (the fused layers'
+    # adjacent q/k/v weights) keeps reading the current weights.
     moved = [name for name, p in engine.module.named_parameters() if p.data_ptr() != storage[name]]
     if ctx.rank == 0:
         torch.save({"grads": grads, "micro_batches": [len(m) for m in step.micro_batches],
