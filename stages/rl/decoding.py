@@ -93,8 +93,13 @@ def check_supported(config) -> None:
                          f"{f' and a sliding window of {window}' if window else ''}: set generate.cache=static")
 
 
+def kv_heads(config) -> int:
+    """The K/V heads of a layer (fewer than the query heads under grouped-query attention)."""
+    return config.num_key_value_heads or config.num_attention_heads
+
+
 def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
-    heads = config.num_key_value_heads or config.num_attention_heads
+    heads = kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
@@ -167,9 +172,9 @@ DECODE_ATTENTION = "syncrl_decode"
 # but SDPA's cuDNN kernel builds a plan for every new shape as a graph is captured, which made the
 # whole call slower with SDPA from short prefixes on (tests/benchmarks/generate_cache.py). Longer
 # prefixes than measured keep SDPA, whose memory does not grow with rows x prefix as the products'
-# float32 scores do; except with grouped-query
-# attention, where HF's SDPA path (a mask is given) repeats K and V for every query group, a copy of
-# the attended prefix larger than the products' scores, taken while the graph pools hold the rest.
+# float32 scores do; except with grouped-query attention, where HF's SDPA path (a mask is given)
+# repeats K and V for every query group, a copy of the attended prefix larger than the products'
+# scores, taken while the graph pools hold the rest.
 MATMUL_ATTENTION_BELOW = 1024
 
 
@@ -183,7 +188,7 @@ class RowCache:
     is_compileable = False
 
     def __init__(self, config, positions: int, dtype, layer_devices: list):
-        heads = config.num_key_value_heads or config.num_attention_heads
+        heads = kv_heads(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._shape = (heads, head_dim)
         # Zeros, not empty: masked positions still enter the attention product, and stale memory could
@@ -256,8 +261,7 @@ class CompactDecoder:
 
             AttentionInterface.register(DECODE_ATTENTION, globals()["decode_attention"])
         self.decode_attention = decode_attention
-        self._grouped = (model.config.num_key_value_heads or model.config.num_attention_heads) < \
-            model.config.num_attention_heads
+        self._grouped = kv_heads(model.config) < model.config.num_attention_heads
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

@@ -2,10 +2,10 @@
 
 DeepSpeed's ZeRO 1-2 step takes the norm one parameter at a time (a dtype copy and a norm each: two
 kernels and a dozen Python calls per parameter; tests/benchmarks/train_mfu.py's nonorm variant
-measures what that costs). The same norm is one
-multi-tensor norm of the flat fp32 gradient partition that the step hands its optimizer, then one
-all-reduce over the data-parallel ranks (their partitions are disjoint). The clipping is DeepSpeed's:
-gradients scaled by min(1, max_norm / (norm + 1e-6)); a non-finite norm is reported as it is.
+measures what that costs). The same norm is one multi-tensor norm of the flat fp32 gradient
+partition that the step hands its optimizer, then one all-reduce over the data-parallel ranks
+(their partitions are disjoint). The clipping is DeepSpeed's: gradients scaled by
+min(1, max_norm / (norm + 1e-6)); a non-finite norm is reported as it is.
 
 DeepSpeed's own norm and clipping are turned off for it (zero_optimization.compute_grad_norm false,
 gradient_clipping 0: deepspeed_settings); the norm is read back through FlatGradNorm.norm.

@@ -2,9 +2,9 @@
 
 Right-padded micro-batches run every row to the longest row's width: where completions vary in
 length, most of the positions run are padding. Packed, the forward and backward run only the real
-tokens. Each row keeps its own positions (0, 1, ... for the rotary embedding) and attends only within itself: the attention
-is variable-length (cumulative row offsets), torch's flash-attention kernel on CUDA
-(torch.nn.attention.varlen) and one causal SDPA call per row elsewhere.
+tokens. Each row keeps its own positions (0, 1, ... for the rotary embedding) and attends only
+within itself: the attention is variable-length (cumulative row offsets), torch's flash-attention
+kernel on CUDA (torch.nn.attention.varlen) and one causal SDPA call per row elsewhere.
 
 The log-probs, the loss mask and the loss are those of the padded batch, token for token: a row's
 last position would predict the next row's first token, and that position is outside the loss

@@ -206,8 +206,8 @@ class TrainConfig:
     # Deal each epoch's shuffled rows into micro-batches of near-equal token counts (longest rows
     # first, each to the micro-batch with the fewest tokens so far; stages/rl/steps.py) instead of in
     # shuffled order: every step costs about the same, ranks do not wait for the one with the longest
-    # rows. Which rows share a step then depends on their lengths
-    # (rows of similar length go to different steps) rather than on the shuffle alone.
+    # rows. Which rows share a step then depends on their lengths (rows of similar length go to
+    # different steps) rather than on the shuffle alone.
     balance_tokens: bool = True
     # Each micro-batch's rows packed end to end into one sequence, attention within each row
     # (stages/rl/packing.py), so the forward and backward run no padding: the same loss and gradient

@@ -249,7 +249,7 @@ def main() -> int:
         rows = synthetic_rows(v["micro"] * (args.warmup + args.steps), args.seq, model.config.vocab_size, rank,
                               v["micro"], args.vary, args.mixed)
         if v["balance"]:
-            widths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
+            widths = [packing.row_width(r) for r in rows]
             groups = steps.balanced_groups(widths, len(rows) // v["micro"], v["micro"])
             random.Random(0).shuffle(groups)
             micros = [[rows[i] for i in g] for g in groups]
