@@ -16,27 +16,23 @@ import datetime
 import json
 import logging
 import math
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from stages.rl import (deferred_checkpoint, flops, grad_norm, packing, policy_file, rehearsal,
-                      step_records)
+from stages.rl import deferred_checkpoint, flops, grad_norm, packing, rehearsal, step_records, train_checkpoint
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
-from stages.rl.serialization import checkpoint_io
 from stages.rl.steps import optimizer_steps
-from stages.runtime import dist, local_checkpoints, markers
+from stages.runtime import dist
 from stages.runtime.config import deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.memory import release_cached_memory
-from stages.runtime.stage import MissingInput, StageContext, run_stage, write_failure_record
+from stages.runtime.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
 
@@ -60,13 +56,16 @@ class TrainRun:
     startup_s: float
     hf_ds_config: object  # transformers holds it weakly while a ZeRO-3 model exists: kept for the stage
     ds_config: dict
+    checkpointer: train_checkpoint.Checkpointer
     norm: grad_norm.FlatGradNorm | None = None  # train.grad_norm: flat
 
 
 def set_up(ctx: StageContext) -> TrainRun:
     """Process group, models, DeepSpeed engine and resumed state, each start-up phase timed."""
     cfg, t = ctx.cfg, ctx.cfg.train
-    deferred_checkpoint.POOL.turn_came()
+    pool = ctx.preloaded  # host memory for a deferred checkpoint's snapshot, prepared before the turn
+    if pool is not None:
+        pool.turn_came()
     phases = Phases(ctx.start)
     with phases("import_deepspeed"):
         import deepspeed
@@ -112,68 +111,26 @@ def set_up(ctx: StageContext) -> TrainRun:
             ref = compile_models(engine, ref, t.compile, zero_stage(ds_config))
     with phases("resume_checkpoint"):
         watchdog.beat("resume optimizer state")
-        resume_optimizer(ctx, engine)
-        folder, writer = checkpoint_folder(ctx)
-        if writer:
-            # A staging directory left by an attempt that died mid-write: nobody else writes it until
-            # the barrier below.
-            shutil.rmtree(folder / ctx.paths.checkpoint_staging_tag(ctx.iteration), ignore_errors=True)
+        checkpointer = train_checkpoint.for_run(ctx, ds_config, pool)
+        checkpointer.resume(engine)
     with phases("barrier"):
         dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
     watchdog.beat("train")
     startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
     log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
              startup_s, zero_stage(ds_config), ctx.world_size, len(rows))
-    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config, ds_config, norm)
+    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config, ds_config, checkpointer, norm)
 
 
 def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, train_s: float) -> None:
-    """The checkpoint, the loss curve, the figures of all ranks and the marker.
-
-    With a deferred checkpoint (train.deferred_checkpoint) the marker comes once the checkpoint
-    is in host memory and the policy's weights are written for save; the checkpoint reaches the
-    disk after it, beside the next stages (deferred_checkpoint.write_deferred)."""
+    """The checkpoint (run.checkpointer: plain, node-local or deferred), the loss curve, the figures
+    of all ranks and the marker; a deferred checkpoint is written after the marker."""
     t = ctx.cfg.train
-    tag = ctx.paths.checkpoint_tag(ctx.iteration)
     t2 = time.time()
     run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    writes = deferred_checkpoint.defer_writes(ctx, run.engine, run.ds_config)
-    local = write_checkpoint(ctx, run.engine, publish=writes is None)
-    deferred_checkpoint.POOL.release()
-    if writes is not None:
-        deferred_checkpoint.write_layout(ctx, writes)
-    run.watchdog.beat("finish")
-    outputs, extra, checkpoint_id = [], {"prunable": [f"checkpoints/{tag}/"]}, None
-    if ctx.rank == 0 and not local:
-        outputs = [ctx.paths.checkpoints / tag]
-    # Save links in the policy's weights from one file where it could read no whole checkpoint in
-    # time: one written after the marker, or ZeRO-3's node-local shards (save runs on one node).
-    for_save = writes is not None or (local is not None and zero_stage(run.ds_config) == 3)
-    policy = write_policy(ctx, run, writes) if for_save else None
-    if writes is not None:
-        # The checkpoint is not on disk yet: the marker lists the policy's weights instead, and a
-        # record with this attempt's id (the policy file is too large to hash: a redone train must
-        # still read as new input to save).
-        checkpoint_id = dist.agree(uuid.uuid4().hex)
-        record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
-        if ctx.rank == 0:
-            outputs = [policy, record]
-            markers.write_json_atomic(record, {"id": checkpoint_id})
-        pool = deferred_checkpoint.POOL
-        extra = {"deferred_checkpoint": {"id": checkpoint_id, "snapshot_s": writes.snapshot_s,
-                                         "snapshot_gb": writes.held / 1e9, "prepared_gb": pool.prepared_bytes / 1e9,
-                                         "prepared_taken_gb": pool.taken_bytes / 1e9}}
-    if local:
-        record = ctx.paths.local_checkpoint_record(ctx.iteration)
-        if for_save:
-            local["policy"] = True
-        if ctx.rank == 0:
-            markers.write_json_atomic(record, local)
-            outputs = [record] + ([policy] if policy else [])
-        extra = {"local_checkpoint": local}
-    if for_save:  # the next save removes it
-        extra["prunable"] = [str(ctx.paths.train_policy(ctx.iteration).relative_to(ctx.paths.root))]
+    saved = run.checkpointer.save(run.engine)
+    outputs = saved.outputs
     save_s = time.time() - t2
     if ctx.rank == 0:
         curve = ctx.paths.train_curve(ctx.iteration)
@@ -195,26 +152,14 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     }
     ctx.summarize("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs%s",
                   summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s,
-                  " (in host memory: written after the marker)" if writes is not None else "")
+                  " (in host memory: written after the marker)" if saved.written_after_marker else "")
     # What the marker lists is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
-    if writes is not None:
+    if saved.written_after_marker:
         release_engine(run)
-    ctx.write_marker(outputs, extra={**summary, **extra})
-    if writes is not None:
-        deferred_checkpoint.write_deferred(ctx, writes, checkpoint_id, run.watchdog)
+    ctx.write_marker(outputs, extra={**summary, **saved.extra})
+    run.checkpointer.after_marker(run.watchdog)
     run.watchdog.stop()
-
-
-def write_policy(ctx: StageContext, run: TrainRun, writes) -> Path | None:
-    """The policy's weights for save (stages/rl/policy_file.py); its path on rank 0, which writes it.
-    ZeRO-3: gathered from every rank's shard (every rank calls). ZeRO 0-2: the model states the
-    deferred checkpoint holds in host memory."""
-    run.watchdog.beat("write the policy's weights")
-    path = ctx.paths.train_policy(ctx.iteration)
-    if zero_stage(run.ds_config) == 3:
-        return policy_file.write_gathered(run.engine, path, ctx.rank == 0)
-    return deferred_checkpoint.write_policy(ctx, writes) if ctx.rank == 0 else None
 
 
 def release_engine(run: TrainRun) -> None:
@@ -228,48 +173,6 @@ def release_engine(run: TrainRun) -> None:
                  torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9)
 
 
-def checkpoint_folder(ctx: StageContext) -> tuple[Path, bool]:
-    """Where this rank writes checkpoints (the run dir's checkpoints/, or its node's local folder),
-    and whether this rank publishes there (rank 0; with local checkpoints, each node's first rank)."""
-    local = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
-    if local is None:
-        return ctx.paths.checkpoints, ctx.rank == 0
-    return local, ctx.info.local_rank == 0
-
-
-def write_checkpoint(ctx: StageContext, engine, publish: bool = True) -> dict | None:
-    """DeepSpeed's checkpoint of this iteration, visible under checkpoints/iter_I only once complete.
-
-    Every rank writes its shard into a staging directory; once all have (a barrier that names any
-    rank that did not), rank 0 renames it into place. A full disk or a killed rank leaves at most
-    the staging directory, which the next attempt clears, and never a checkpoint that looks whole.
-    With local checkpoints the same happens in each node's folder, whose first rank publishes it
-    with a record naming this attempt (returned: the marker carries it); the node's older local
-    checkpoints are then removed (the persist stage has copied them: train waits for it).
-    """
-    t = ctx.cfg.train
-    folder, writer = checkpoint_folder(ctx)
-    staging = ctx.paths.checkpoint_staging_tag(ctx.iteration)
-    tag = ctx.paths.checkpoint_tag(ctx.iteration)
-    local = folder != ctx.paths.checkpoints
-    checkpoint_id = dist.agree(uuid.uuid4().hex) if local else None
-    with checkpoint_io(t.checkpoint_mmap):
-        # save_latest=False: syncrl names the tag it resumes from; a "latest" file would name the staging one.
-        engine.save_checkpoint(str(folder), tag=staging, save_latest=False,
-                               client_state={"iteration": ctx.iteration})
-    if not publish:
-        return None
-    dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", t.timeout_s)
-    if writer:
-        if local:
-            local_checkpoints.write_record(folder / staging, checkpoint_id, ctx.iteration, dist.node_name(),
-                                           ctx.paths.root)
-        markers.publish_dir(folder / staging, folder / tag)
-        if local:
-            local_checkpoints.prune(folder, keep=ctx.iteration)
-    return {"id": checkpoint_id, "dir": str(folder.parent)} if local else None
-
-
 # Modules deepspeed.initialize imports on its first call (DeepSpeed 0.19: its optimizer check
 # imports the Muon optimizer, which imports torch.compile's Inductor; the engine imports its
 # expert-parallel layers): hundreds of modules, imported here before the turn instead of in it.
@@ -277,10 +180,10 @@ DEEPSPEED_LAZY_IMPORTS = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspe
                           "deepspeed.module_inject.auto_ep")
 
 
-def preload(ctx: StageContext) -> None:
+def preload(ctx: StageContext) -> deferred_checkpoint.HostPool | None:
     """What a train process started early imports before its turn, so that the engine's start-up
-    does not. It builds nothing that needs a process group: no communicator sits idle while generate
-    and score run."""
+    does not; returns the host memory it prepares for a deferred checkpoint's snapshot. It builds
+    nothing that needs a process group: no communicator sits idle while generate and score run."""
     import importlib
 
     t0 = time.time()
@@ -296,9 +199,9 @@ def preload(ctx: StageContext) -> None:
              time.time() - t1)
     # The host memory for the snapshot fills in a thread of its own (seconds, mostly outside the GIL):
     # started first, so that the rehearsal's seconds overlap it and it is done before the turn.
-    ds_config = deepspeed_config(ctx, warn=False)  # set-up warns
-    deferred_checkpoint.prepare_pool(ctx, ds_config)
-    rehearse_step(ctx, preload_model_code(ctx), ds_config)
+    pool = deferred_checkpoint.prepare_pool(ctx)
+    rehearse_step(ctx, preload_model_code(ctx), deepspeed_config(ctx, warn=False))  # set-up warns
+    return pool
 
 
 def rehearse_step(ctx: StageContext, config, ds_config: dict) -> None:
@@ -405,51 +308,6 @@ def _zero3_init_context(ds_config: dict):
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(ds_config)
-
-
-def resume_optimizer(ctx: StageContext, engine) -> None:
-    if ctx.iteration == 0:
-        return
-    tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
-    problem = local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1)
-    if problem:
-        # Written after the previous train's marker, and not (or not whole): its optimizer state is
-        # lost, and the weights save exported came with it.
-        raise MissingInput(f"iteration {ctx.iteration - 1}'s checkpoint was to be written after its train marker, "
-                           f"and is not there whole ({problem}): redo train: syncrl rerun {ctx.paths.root} "
-                           f"--iteration {ctx.iteration - 1} --stage train")
-    source = resume_source(ctx, tag)
-    if not (source / tag).is_dir():
-        log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
-                    source / tag, ctx.policy_path())
-        return
-    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
-        path, _ = engine.load_checkpoint(str(source), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {source / tag}")
-    log.info("resumed weights and optimizer state from %s", path)
-
-
-def resume_source(ctx: StageContext, tag: str) -> Path:
-    """The folder holding checkpoint `tag` to resume from: this node's local copy when its record
-    names the attempt the previous train's marker recorded, else the run dir's (durable) copy."""
-    recorded = local_checkpoints.recorded(ctx.paths, ctx.iteration - 1)
-    folder = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
-    if recorded and folder is not None:
-        problem = local_checkpoints.problem(folder / tag, recorded["id"])
-        if problem is None:
-            return folder
-        durable = local_checkpoints.problem(ctx.paths.checkpoints / tag, recorded["id"])
-        if durable is not None:
-            last = local_checkpoints.last_durable(ctx.paths, ctx.iteration - 1)
-            raise local_checkpoints.CheckpointGone(
-                f"rank {ctx.rank} on node {dist.node_name()}: iteration {ctx.iteration - 1}'s checkpoint is not on "
-                f"this node ({problem}) and has no durable copy ({durable}; train.durable_every="
-                f"{ctx.cfg.train.durable_every}): the run goes back to iteration {last + 1}, after the last durable "
-                f"copy")
-        log.info("resuming from the durable copy in %s: %s", ctx.paths.checkpoints, problem)
-    return ctx.paths.checkpoints
 
 
 def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog,

@@ -237,11 +237,7 @@ def test_a_snapshot_fills_the_host_memory_prepared_by_its_layout(tmp_path, locke
     (tmp_path / "layout.json").write_text(__import__("json").dumps(layout))
     pool = dc.HostPool()
     pool.prepare(tmp_path / "layout.json", budget_bytes=1 << 30, cuda_device=0 if locked else None)
-    saved, dc.POOL = dc.POOL, pool
-    try:
-        host = dc.to_host(state)
-    finally:
-        dc.POOL = saved
+    host = dc.to_host(state, pool=pool)
     size = sum(t.numel() * t.element_size() for t in state.values())
     assert pool.prepared_bytes == pool.taken_bytes == size
     assert pool.locked_bytes == (size if locked else 0)

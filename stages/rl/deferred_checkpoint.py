@@ -44,9 +44,10 @@ class DeferredWrites:
     """A checkpoint engine that snapshots on save() and writes on flush(); everything else is the
     wrapped engine's (loads, directories, commits)."""
 
-    def __init__(self, inner, budget_bytes: int):
+    def __init__(self, inner, budget_bytes: int, pool: HostPool | None = None):
         self.inner = inner
         self.budget = budget_bytes
+        self.pool = pool or HostPool()  # host memory prepared for the snapshot (none: allocated as it goes)
         self.queued: list[tuple[str, object]] = []
         self.held = 0  # bytes of the queued snapshots
         self.snapshot_s = 0.0
@@ -60,11 +61,11 @@ class DeferredWrites:
         if self.held + size > self.budget:
             log.info("%s: %.2f GB does not fit the host-memory budget left (%.2f GB): written now", path, size / 1e9,
                      (self.budget - self.held) / 1e9)
-            POOL.release()  # what the pool prepared and the snapshot did not take goes before the write
+            self.pool.release()  # what the pool prepared and the snapshot did not take goes before the write
             self.inner.save(state_dict, path)
             return
         t0 = time.time()
-        self.queued.append((path, to_host(state_dict, self.layout)))
+        self.queued.append((path, to_host(state_dict, self.layout, self.pool)))
         self.held += size
         self.snapshot_s += time.time() - t0
 
@@ -108,18 +109,6 @@ def why_not(cfg) -> str | None:
     return None
 
 
-def defer_writes(ctx, engine, ds_config: dict) -> DeferredWrites | None:
-    """The checkpoint engine that holds this iteration's checkpoint in host memory until after the
-    marker (installed in the DeepSpeed engine), or None when train writes it before the marker."""
-    why = why_not(ctx.cfg)
-    if why:
-        log.info("checkpoint written before the marker: %s", why)
-        return None
-    writes = DeferredWrites(engine.checkpoint_engine, snapshot_budget(ctx, held=POOL.untaken_bytes()))
-    engine.checkpoint_engine = writes
-    return writes
-
-
 def write_policy(ctx, writes: DeferredWrites) -> Path:
     """Rank 0, ZeRO 0-2: the policy's weights (the held model states' module, in the training dtype)
     as one safetensors file under the train folder, for save to export before the checkpoint is on
@@ -137,7 +126,7 @@ def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) ->
     t0 = time.time()
     with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
         write_s = writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
-    POOL.close()  # the snapshot is written: its page-locked memory is no longer needed
+    writes.pool.close()  # the snapshot is written: its page-locked memory is no longer needed
     dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", ctx.cfg.train.timeout_s)
     if ctx.rank == 0:
         staging = ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration)
@@ -165,9 +154,10 @@ def state_bytes(obj, host_too: bool = False) -> int:
     return total
 
 
-def to_host(obj, layout: list | None = None):
+def to_host(obj, layout: list | None = None, pool: HostPool | None = None):
     """The state (dicts, lists, tuples, nested) with every accelerator tensor copied to host memory;
-    each copy's [dtype, shape] is appended to `layout`.
+    each copy's [dtype, shape] is appended to `layout`; the copies go into `pool`'s prepared tensors
+    where it has them.
 
     Host tensors are kept as they are: train makes no step after the snapshot, so they no longer
     change. A tensor that appears twice (tied weights) is copied once and appears twice in the
@@ -178,7 +168,7 @@ def to_host(obj, layout: list | None = None):
             memo.setdefault(_view_key(t), t)
     if layout is not None:
         layout += [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in memo.values()]
-    copies = dict(zip(memo, copy_to_host(list(memo.values()))))
+    copies = dict(zip(memo, copy_to_host(list(memo.values()), pool)))
     return _rebuilt(obj, copies)
 
 
@@ -319,21 +309,18 @@ class HostPool:
         return t
 
 
-# The train process's pool: train's preload prepares it, copy_to_host takes from it, train releases
-# what is left once the snapshot is taken.
-POOL = HostPool()
-
-
-def prepare_pool(ctx, ds_config: dict) -> None:
-    """Start preparing host memory for this rank's snapshot, by the previous iteration's layout
+def prepare_pool(ctx) -> HostPool | None:
+    """Host memory for this rank's snapshot, prepared in a thread by the previous iteration's layout
     (a train process started early, before its turn; CUDA only: elsewhere nothing is copied)."""
     if ctx.iteration == 0 or why_not(ctx.cfg) or not torch.cuda.is_available():
-        return
+        return None
     # The budget is read once the previous checkpoint is written: until then its write may still be
     # taking host memory (a checkpoint directory on tmpfs), which the snapshot must leave to it.
     previous_written = lambda: local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1) is None  # noqa: E731
-    POOL.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), lambda: snapshot_budget(ctx),
+    pool = HostPool()
+    pool.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), lambda: snapshot_budget(ctx),
                  cuda_device=ctx.info.local_rank % torch.cuda.device_count(), ready=previous_written)
+    return pool
 
 
 def snapshot_budget(ctx, held: int = 0) -> int:
@@ -382,15 +369,16 @@ def _rebuilt(obj, copies: dict):
 STAGING_BYTES = 64 << 20
 
 
-def copy_to_host(tensors: list) -> list:
+def copy_to_host(tensors: list, pool: HostPool | None = None) -> list:
     """Host copies of `tensors` (accelerator tensors; views copied as contiguous tensors).
 
-    CUDA tensors are copied on a side stream into host tensors prepared beforehand (POOL): straight
+    CUDA tensors are copied on a side stream into host tensors prepared beforehand (`pool`): straight
     into those it page-locked; else through two page-locked STAGING_BYTES buffers, each chunk's copy
     from the GPU overlapping the host copy of the one before, into prepared tensors or ones first
     written with zeros (the fill faults their pages in on every core, torch's parallel fill, where a
     copy into fresh pageable memory faults them one by one). Other devices copy with tensor.to("cpu")."""
-    out = [_host_tensor(t) if t.is_cuda else t.detach().to("cpu", copy=True) for t in tensors]
+    pool = pool or HostPool()
+    out = [_host_tensor(t, pool) if t.is_cuda else t.detach().to("cpu", copy=True) for t in tensors]
     cuda = [(t.detach().contiguous(), o) for t, o in zip(tensors, out) if t.is_cuda and t.numel()]
     if not cuda:
         return out
@@ -399,7 +387,7 @@ def copy_to_host(tensors: list) -> list:
     staged = []
     with torch.cuda.stream(stream):
         for src, dst in cuda:
-            if POOL.page_locked(dst):
+            if pool.page_locked(dst):
                 dst.copy_(src, non_blocking=True)
             else:
                 staged.append((src, dst))
@@ -429,8 +417,8 @@ def copy_staged(pairs: list, stream) -> None:
     _drain(buffers, filled, pending)
 
 
-def _host_tensor(t: torch.Tensor) -> torch.Tensor:
-    prepared = POOL.take(t.shape, t.dtype)
+def _host_tensor(t: torch.Tensor, pool: HostPool) -> torch.Tensor:
+    prepared = pool.take(t.shape, t.dtype)
     return prepared if prepared is not None else torch.empty(t.shape, dtype=t.dtype).zero_()
 
 

@@ -45,6 +45,7 @@ class StageContext:
     # A process started early, until its turn: it has not read the previous stage's outputs, and a
     # failure now is not an attempt's (the coordinator starts the stage afresh).
     waiting: bool = False
+    preloaded: object = None  # what preload(ctx) returned, for main (None when not started early)
 
     def summarize(self, fmt: str, *args) -> None:
         """The stage's one-line result: logged here, and by the coordinator from the marker."""
@@ -109,10 +110,11 @@ def _import_seconds(ctx: StageContext) -> float:
 
 
 def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> float | None:
-    """Run preload(ctx), then wait for `after`; returns the seconds waited, or None on giving up."""
+    """Run preload(ctx) (its result kept in ctx.preloaded), then wait for `after`; returns the
+    seconds waited, or None on giving up."""
     t0 = time.time()
     if preload is not None:
-        preload(ctx)
+        ctx.preloaded = preload(ctx)
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
              time.time() - t0, after)
     t1 = time.time()
@@ -198,8 +200,8 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
     """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns.
 
     With --after FILE the process was started early: it runs `preload(ctx)` (the imports and model
-    code the stage will need), then waits for FILE (the previous stage's marker) before it reads
-    anything that stage writes.
+    code the stage will need; what it returns, main finds in ctx.preloaded), then waits for FILE
+    (the previous stage's marker) before it reads anything that stage writes.
     """
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=main.__doc__)
     parser.add_argument("--run-dir", required=True, help="the run directory (holds config.yaml)")

@@ -95,13 +95,9 @@ def locked(tensors, chunk_bytes: int, done: list):
         pool.wait()
     print(f"  prepared {pool.prepared_bytes / 1e9:.2f} GB ({pool.locked_bytes / 1e9:.2f} GB page-locked) in "
           f"{time.perf_counter() - t0:.2f} s", flush=True)
-    saved, dc.POOL = dc.POOL, pool
-    try:
-        t0 = time.perf_counter()
-        out = dc.copy_to_host(tensors)
-        done.append(time.perf_counter() - t0)
-    finally:
-        dc.POOL = saved
+    t0 = time.perf_counter()
+    out = dc.copy_to_host(tensors, pool)
+    done.append(time.perf_counter() - t0)
     done.append(pool.close)  # once the copies are dropped
     return out
 
