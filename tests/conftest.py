@@ -36,13 +36,29 @@ def tiny_run(tmp_path_factory):
     """`syncrl run` of TINY_RUN with the local launcher, once per test session (about 35 s on 2 cores):
     .dir, and .proc (its CompletedProcess). Tests read it; one that changes it works on a copy.
     Under pytest-xdist the first worker to ask makes it and the others wait for it and read it."""
+    return shared_run(tmp_path_factory, "tiny_run", TINY_RUN)
+
+
+# TINY_RUN with its checkpoint written before train's marker (train.deferred_checkpoint=false) and
+# two checkpoints kept, so that redoing iteration 1's train resumes iteration 0's optimizer state.
+PLAIN_CHECKPOINT_RUN = [*TINY_RUN, "retry.backoff_s=0.5", "train.deferred_checkpoint=false", "save.keep_checkpoints=2"]
+
+
+@pytest.fixture(scope="session")
+def plain_checkpoint_run(tmp_path_factory):
+    """`syncrl run` of PLAIN_CHECKPOINT_RUN, once per session, as tiny_run: the run the deferred
+    checkpoint's weights are compared with, and the finished run the local disk-full cases copy."""
+    return shared_run(tmp_path_factory, "plain_checkpoint_run", PLAIN_CHECKPOINT_RUN)
+
+
+def shared_run(tmp_path_factory, name: str, args: list[str]) -> SimpleNamespace:
+    """`syncrl run ARGS` under BASE/NAME/run, made by the first worker to ask and read by every other."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the folder the workers' own temp folders share
-    run_dir, result = base / "tiny_run" / "run", base / "tiny_run" / "result.json"
-    command = [sys.executable, "-m", "jobs.cli", "run", TINY_RUN[0], f"run_dir={run_dir}", *TINY_RUN[1:],
-               "--launcher", "local"]
-    with FileLock(str(base / "tiny_run.lock"), timeout=900):
+    run_dir, result = base / name / "run", base / name / "result.json"
+    command = [sys.executable, "-m", "jobs.cli", "run", args[0], f"run_dir={run_dir}", *args[1:], "--launcher", "local"]
+    with FileLock(str(base / f"{name}.lock"), timeout=900):
         if not result.is_file():
             result.parent.mkdir(parents=True, exist_ok=True)
             proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

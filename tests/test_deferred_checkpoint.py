@@ -52,13 +52,10 @@ def attempts(run_dir: Path, it: int, stage: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_run):
-    """The same 2-iteration run twice: the checkpoint written after train's marker (the default:
-    the session's tiny_run), and before it."""
-    before = tmp_path_factory.mktemp("deferred") / "before"
-    proc = syncrl_run(before, "train.deferred_checkpoint=false")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return tiny_run.dir, before
+def runs(tiny_run, plain_checkpoint_run):
+    """The same 2-iteration run twice (tests/conftest.py): the checkpoint written after train's
+    marker (the default: the session's tiny_run), and before it."""
+    return tiny_run.dir, plain_checkpoint_run.dir
 
 
 def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
