@@ -157,6 +157,12 @@ def finished(job_id: str) -> str | None:
     return state if state in FINAL_STATES else None
 
 
+def wait_finished(job_id: str, timeout: float, what: str) -> str:
+    """The job's final state, once it has one. Polled twice a second, not at wait_for's pace: each
+    poll is an scontrol call, and the job's own processes need the machine's cores."""
+    return wait_for(lambda: finished(job_id), timeout, what, interval=0.5)
+
+
 def job_log(out_dir: Path, job_id: str) -> str:
     log = out_dir / f"job-{job_id}.out"
     return log.read_text() if log.is_file() else ""

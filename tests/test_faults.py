@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from stages.runtime.paths import STAGES
-from tests.slurm_fixture import SMALL_RUN, finished, job_log, job_state, rank_pid, run, sbatch, wait_for
+from tests.conftest import PLAIN_CHECKPOINT_RUN
+from tests.slurm_fixture import SMALL_RUN, job_log, job_state, rank_pid, run, sbatch, wait_finished, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 600
@@ -65,7 +66,7 @@ def reference_run(slurm_cluster, tmp_path_factory):
     """An undisturbed 1-iteration run: the results every recovered run must reproduce."""
     out = tmp_path_factory.mktemp("reference")
     job = sbatch_run(out, out / "run")
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the reference run") == "COMPLETED", job_log(out, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the reference run") == "COMPLETED", job_log(out, job)
     return out / "run"
 
 
@@ -73,7 +74,7 @@ def job_that_fails(out_dir: Path, run_dir: Path, *extra: str) -> tuple[str, floa
     """sbatch_run, which must end FAILED with the resume hint; returns (its log, seconds to fail)."""
     t0 = time.time()
     job = sbatch_run(out_dir, run_dir, *extra)
-    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to stop")
+    state = wait_finished(job, JOB_TIMEOUT_S, "the job to stop")
     detect = time.time() - t0
     log = job_log(out_dir, job)
     assert state == "FAILED", log[-3000:]
@@ -93,9 +94,13 @@ def same_results(run_dir: Path, reference: Path) -> None:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_generate_rank_exits_nonzero_is_retried(reference_run, tmp_path):
+def test_a_generate_rank_that_exits_and_a_hung_train_rank_are_retried(reference_run, tmp_path):
+    """Two faults of one run, each in its own stage: generate's rank 1 exits non-zero, and once
+    generate is retried and done, train's rank 1 hangs at its first barrier. Each stage's failed
+    attempt is detected (the hang within the collective timeout) and retried, and the run ends with
+    the undisturbed run's results."""
     run_dir = tmp_path / "run"
-    job = sbatch_run(tmp_path, run_dir)
+    job = sbatch_run(tmp_path, run_dir, "train.timeout_s=20")
     log = run_dir / "logs" / "iter_00000" / "generate" / "attempt_1" / "rank_00001.log"
     pid = wait_for(lambda: rank_pid(log), 300, "generate rank 1 to start", interval=0.02)
     os.kill(pid, signal.SIGTERM)  # the rank exits non-zero (143)
@@ -104,19 +109,8 @@ def test_generate_rank_exits_nonzero_is_retried(reference_run, tmp_path):
     wait_for(attempt2.is_dir, 120, "the retry to start", interval=0.05)
     detect = time.time() - t_fault
     wait_for(lambda: (run_dir / "iter_00000/markers/generate.done").is_file(), 300, "generate to finish")
-    recover = time.time() - t_fault
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
-    assert "iteration 0 generate attempt 1 failed on rank(s) 1" in job_log(tmp_path, job)
-    same_results(run_dir, reference_run)
-    no_half_files(run_dir)
-    report("generate rank exits non-zero", detect, recover)
+    report("generate rank exits non-zero", detect, time.time() - t_fault)
 
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_hung_train_rank_is_detected_within_the_timeout(reference_run, tmp_path):
-    run_dir = tmp_path / "run"
-    job = sbatch_run(tmp_path, run_dir, "train.timeout_s=20")
     log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
     wait_for(lambda: log.is_file() and "barrier 'iteration 0 engine ready'" in log.read_text(), 300,
              "train rank 1 to reach its first barrier", interval=0.01)
@@ -125,12 +119,14 @@ def test_hung_train_rank_is_detected_within_the_timeout(reference_run, tmp_path)
     attempt2 = run_dir / "logs" / "iter_00000" / "train" / "attempt_2"
     wait_for(attempt2.is_dir, 120, "the hang to be detected and the stage retried", interval=0.1)
     detect = time.time() - t_fault
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t_fault
     summary = job_log(tmp_path, job)
+    assert "iteration 0 generate attempt 1 failed on rank(s) 1" in summary
     assert "iteration 0 train attempt 1 failed" in summary
     assert detect < 20 + 30  # the collective timeout plus step teardown: bounded, not forever
     same_results(run_dir, reference_run)
+    no_half_files(run_dir)
     report("train rank hangs (SIGSTOP)", detect, recover)
 
 
@@ -147,7 +143,7 @@ def test_usr2_before_time_limit_requeues_and_resumes(reference_run, tmp_path):
     detect = time.time() - t_fault
     wait_for(lambda: (run_dir / "iter_00000/markers/save.done").is_file(), JOB_TIMEOUT_S, "the requeued job")
     recover = time.time() - t_fault
-    wait_for(lambda: finished(job), 120, "the job")
+    wait_finished(job, 120, "the job")
     after = done_markers(run_dir)
     assert all(after[k] == v for k, v in before.items()), "a completed stage was redone"
     assert job_log(tmp_path, job).count("(restart 1)") == 1
@@ -165,12 +161,12 @@ def test_coordinator_killed_and_restarted(reference_run, tmp_path):
     before = done_markers(run_dir)
     run(["scancel", job], timeout=30)  # the whole job, coordinator included, goes away mid-train
     t_fault = time.time()
-    wait_for(lambda: finished(job), 60, "the cancelled job to end")
+    wait_finished(job, 60, "the cancelled job to end")
     status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout
     assert re.search(r"0  train\s+interrupted", status), status
     detect = time.time() - t_fault
     job2 = sbatch_run(tmp_path, run_dir)
-    assert wait_for(lambda: finished(job2), JOB_TIMEOUT_S, "the restarted job") == "COMPLETED"
+    assert wait_finished(job2, JOB_TIMEOUT_S, "the restarted job") == "COMPLETED"
     recover = time.time() - t_fault
     after = done_markers(run_dir)
     assert all(after[k] == v for k, v in before.items()), "a completed stage was redone"
@@ -207,7 +203,7 @@ def test_damaged_outputs_are_redone(reference_run, tmp_path, damage):
     detect = time.time() - t_fault
     before = done_markers(run_dir)
     job = sbatch_run(tmp_path, run_dir)
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the job") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t_fault
     log = job_log(tmp_path, job)
     assert re.search(rf"iteration 0 {stage}\s+redoing: output {re.escape(target)}", log), log
@@ -236,15 +232,21 @@ def test_config_changed_between_run_and_resume_is_refused(tmp_path):
     report("config changed between run and resume", time.time() - t0, None)
 
 
+def copy_of_the_plain_checkpoint_run(shared, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy of the session's finished plain_checkpoint_run (tests/conftest.py) to damage, and the
+    run command that resumes the copy."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(shared.dir, run_dir)
+    return run_dir, [sys.executable, "-m", "jobs.cli", "run", PLAIN_CHECKPOINT_RUN[0], f"run_dir={run_dir}",
+                     *PLAIN_CHECKPOINT_RUN[1:], "--launcher", "local"]
+
+
 @pytest.mark.slow
-def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
+def test_disk_full_while_saving_keeps_the_published_model(plain_checkpoint_run, tmp_path):
     """Local: a file-size limit on the save process stands in for a full disk (EFBIG, like ENOSPC).
     The checkpoint is written before train's marker, so that save writes the weights itself (with
     it written after, save links in the file train wrote: tests/test_save_export.py)."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
-           *SMALL_RUN, "train.deferred_checkpoint=false", "--launcher", "local"]
-    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+    run_dir, cmd = copy_of_the_plain_checkpoint_run(plain_checkpoint_run, tmp_path)
     model = run_dir / "models" / "iter_00001" / "model.safetensors"
     published = model.read_bytes()
     # Save iteration 1 again under a 64 KiB file-size limit: the 280 KB export cannot be written.
@@ -271,15 +273,12 @@ def test_disk_full_while_saving_keeps_the_published_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(tmp_path):
-    """Local: a file-size limit on train's ranks stands in for a full disk (EFBIG, like ENOSPC)."""
-    run_dir = tmp_path / "run"
-    # Two checkpoints kept: redoing iteration 1's train resumes iteration 0's optimizer state.
-    # train.deferred_checkpoint=false: the checkpoint is written before train's marker (tests/
-    # test_deferred_checkpoint.py has the checkpoint written after it on a full disk).
-    cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}", "iterations=2",
-           *SMALL_RUN, "save.keep_checkpoints=2", "train.deferred_checkpoint=false", "--launcher", "local"]
-    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+def test_disk_full_while_train_writes_its_checkpoint_keeps_the_published_one(plain_checkpoint_run, tmp_path):
+    """Local: a file-size limit on train's ranks stands in for a full disk (EFBIG, like ENOSPC).
+    The run keeps two checkpoints, so redoing iteration 1's train resumes iteration 0's optimizer
+    state, and writes them before train's marker (tests/test_deferred_checkpoint.py has the
+    checkpoint written after it on a full disk)."""
+    run_dir, cmd = copy_of_the_plain_checkpoint_run(plain_checkpoint_run, tmp_path)
     ckpt = run_dir / "checkpoints" / "iter_00001"
     published = tree_bytes(ckpt)
     weights = (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes()
@@ -372,7 +371,7 @@ def test_rerun_on_two_nodes_acts_on_the_copy_it_is_given(reference_run, tmp_path
     marker = copy / "iter_00000" / "markers" / "score.done"
     copied = marker.stat().st_mtime_ns
     job = sbatch(tmp_path, "slurm/rerun_stage.sbatch", str(copy), "0", "score")
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the rerun job") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the rerun job") == "COMPLETED", job_log(tmp_path, job)
     assert marker.stat().st_mtime_ns != copied
     assert (copy / "logs" / "iter_00000" / "score" / "attempt_2").is_dir()
     for rank in (0, 1):
@@ -422,7 +421,7 @@ def test_node_lost_during_a_step(reference_run, tmp_path):
         run([*cluster, "revive-node", "n2"], timeout=120)
     if job_state(job) in ("FAILED", "NODE_FAIL"):
         job = sbatch_run(tmp_path, run_dir)  # the job could not requeue itself: submit it again
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the job to finish") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the job to finish") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t_fault
     after = done_markers(run_dir)
     assert all(after[k] == v for k, v in before.items()), "a completed stage was redone"
@@ -472,7 +471,7 @@ def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tm
     run_dir, store = tmp_path / "run", tmp_path / "node_local"
     extra = ["iterations=2", f"train.local_checkpoint_dir={store}", "save.keep_checkpoints=2", *ZERO_STAGES[zero]]
     job = sbatch_run(tmp_path, run_dir, *extra)
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
     weights = (run_dir / "models" / "iter_00001" / "model.safetensors").read_bytes()
     logs = sorted((run_dir / "logs" / "iter_00001" / "train" / "attempt_1").glob("rank_*.log"))
     assert len(logs) == 2
@@ -490,7 +489,7 @@ def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tm
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
     job = sbatch(tmp_path, "slurm/rerun_stage.sbatch", str(run_dir), "1", "train")
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the rerun") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the rerun") == "COMPLETED", job_log(tmp_path, job)
     detect = time.time() - t0
     for log in sorted((run_dir / "logs" / "iter_00001" / "train" / "attempt_2").glob("rank_*.log")):
         text = log.read_text()
@@ -498,7 +497,7 @@ def test_node_local_checkpoint_lost_before_resume_on_two_nodes(slurm_cluster, tm
         assert f"resumed weights and optimizer state from {run_dir / 'checkpoints'}" in text
     # The same run command redoes what reads train's new checkpoint (persist, save), to the same weights.
     job = sbatch_run(tmp_path, run_dir, *extra)
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t0
     log = job_log(tmp_path, job)
     assert "iteration 1 save     launching" in log and "iteration 1 generate already done" in log, log[-3000:]
@@ -532,7 +531,7 @@ def test_disk_full_during_the_durable_copy_on_two_nodes(reference_run, small_dis
     published = final_weights(run_dir)
     subprocess.run(["umount", "-l", str(run_dir / "checkpoints")], capture_output=True)  # space again
     job = sbatch_run(tmp_path, run_dir, *extra)
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t0
     log = job_log(tmp_path, job)
     assert "iteration 0 persist  started in the background" in log and "launching" not in log, log[-3000:]
@@ -556,18 +555,18 @@ def test_node_lost_between_durable_copies_on_two_nodes(slurm_cluster, tmp_path):
     run_dir, store = tmp_path / "run", tmp_path / "node_local"
     extra = ["iterations=2", f"train.local_checkpoint_dir={store}", "train.durable_every=5", *ZERO_STAGES["zero3"]]
     job = sbatch_run(tmp_path, run_dir, *extra)
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the run") == "COMPLETED", job_log(tmp_path, job)
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["iter_00001"]  # the run's last only
     weights = [(run_dir / "models" / f"iter_{it:05d}" / "model.safetensors").read_bytes() for it in (0, 1)]
     shutil.rmtree(store, ignore_errors=True)
     t0 = time.time()
     job = sbatch(tmp_path, "slurm/rerun_stage.sbatch", str(run_dir), "1", "train")
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the rerun") == "FAILED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the rerun") == "FAILED", job_log(tmp_path, job)
     log = job_log(tmp_path, job)
     assert "has no durable copy" in log and "it goes back to iteration 0" in log, log[-3000:]
     detect = time.time() - t0
     job = sbatch_run(tmp_path, run_dir, *extra)
-    assert wait_for(lambda: finished(job), JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
+    assert wait_finished(job, JOB_TIMEOUT_S, "the run again") == "COMPLETED", job_log(tmp_path, job)
     recover = time.time() - t0
     log = job_log(tmp_path, job)
     assert "going back to iteration 0, after the last durable copy" in log, log[-3000:]
@@ -600,7 +599,7 @@ def test_engines_on_two_nodes_through_srun_survive_the_stages_and_a_killed_one_i
     detect = time.time() - t_fault
     wait_for((run_dir / "iter_00002" / "markers" / "generate.done").is_file, 300, "iteration 2's generate")
     report("generation engine killed between iterations", detect, time.time() - t_fault)
-    state = wait_for(lambda: finished(job), JOB_TIMEOUT_S, f"job {job} to finish", interval=0.5)
+    state = wait_finished(job, JOB_TIMEOUT_S, f"job {job} to finish")
     out = job_log(tmp_path, job)
     assert state == "COMPLETED", out[-3000:]
     assert "generation engines started at iteration 0 have exited" in out

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from stages.runtime.paths import STAGES
-from tests.slurm_fixture import SMALL_RUN, finished, job_log, job_state, rank_pid, run, sbatch, wait_for
+from tests.slurm_fixture import SMALL_RUN, job_log, job_state, rank_pid, run, sbatch, wait_finished, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ JOB_TIMEOUT_S = 600
 
 
 def wait_job(job_id: str) -> str:
-    return wait_for(lambda: finished(job_id), JOB_TIMEOUT_S, f"job {job_id} to finish", interval=0.5)
+    return wait_finished(job_id, JOB_TIMEOUT_S, f"job {job_id} to finish")
 
 
 class TailReader:
