@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
 
@@ -20,14 +22,23 @@ def run(args, timeout=300):
     return proc.stdout
 
 
-def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(tmp_path):
-    # scaling.py starts train_mfu.py under two launchers (node ranks 0 and 1), as on 2 nodes.
+@pytest.fixture(scope="module")
+def preset_scaling(tmp_path_factory):
+    """scaling.py over the tiny-llama preset loaded from disk: its output and its JSON file. Read by
+    the scaling case and, for the parameter count, by the model built in place."""
+    tmp_path = tmp_path_factory.mktemp("scaling")
     out = run(["tests/benchmarks/scaling.py", "--gpus", "2", "--preset", "tiny-llama", "--seq", "160",
                "--steps", "2", "--variants", "z2:m2,z3:m2:kl", "--model-dir", str(tmp_path / "base"),
                "--json", str(tmp_path / "scaling.json")])
+    return out, tmp_path / "scaling.json"
+
+
+def test_scaling_benchmark_runs_the_train_micro_step_as_two_nodes(preset_scaling):
+    # scaling.py starts train_mfu.py under two launchers (node ranks 0 and 1), as on 2 nodes.
+    out, rows_file = preset_scaling
     assert out.count("s/step") == 2 and "forward = 2*N*s + 4*L*d*s^2" in out
     import json
-    rows = json.loads((tmp_path / "scaling.json").read_text())
+    rows = json.loads(rows_file.read_text())
     assert [(r["variant"], r["gpus"], r["efficiency"]) for r in rows] == [("z2:m2", 2, 1.0), ("z3:m2:kl", 2, 1.0)]
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
@@ -53,7 +64,7 @@ def test_the_train_step_benchmark_names_where_the_host_time_goes(tmp_path):
     assert "micro_step" in proc.stderr and "engine.py" in proc.stderr and "(step)" in proc.stderr
 
 
-def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path):
+def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path, preset_scaling):
     # --shape builds from the config under zero.Init (how the largest models are benchmarked): the
     # same parameter count as the preset loaded from disk, and each rank holding only its partition.
     from stages.rl.tiny_model import PRESETS
@@ -63,8 +74,7 @@ def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path):
 
     out = run(["tests/benchmarks/scaling.py", "--gpus", "2", "--shape", "tiny-llama", "--seq", "160", "--steps", "1",
                "--variants", "z3:m2,z2:m2", "--json", str(tmp_path / "scaling.json")])
-    disk = run(["tests/benchmarks/scaling.py", "--gpus", "2", "--preset", "tiny-llama", "--seq", "160", "--steps",
-                "1", "--variants", "z3:m2", "--model-dir", str(tmp_path / "base")])
+    disk = preset_scaling[0]  # the preset loaded from disk
     assert out.split("tiny-llama: N = ")[1].split(",")[0:2] == disk.split("tiny-llama: N = ")[1].split(",")[0:2]
     assert "tiny-llama" in out and out.count("s/step") == 2
     tiny = PRESETS["tiny-llama"]
