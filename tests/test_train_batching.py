@@ -37,19 +37,25 @@ def step_gradients(tmp_path, model_dir, world: int, overrides: list[str], name: 
 
 def run_workers(module: str, tmp_path, model_dir, world: int, overrides: list[str], name: str) -> dict:
     """`python -m module MODEL_DIR OUT key=value ...` on `world` ranks (gloo on CPU); what rank 0 saved."""
-    out = tmp_path / f"{name}.pt"
+    return run_workers_in_turn(module, tmp_path, model_dir, world, {name: overrides})[name]
+
+
+def run_workers_in_turn(module: str, tmp_path, model_dir, world: int, runs: dict[str, list[str]]) -> dict:
+    """`python -m module MODEL_DIR OUT key=value ... -- OUT key=value ...` on `world` ranks: the runs
+    one after the other in the same processes, which start once. What rank 0 saved, by run name."""
+    args = [arg for name, overrides in runs.items() for arg in ("--", str(tmp_path / f"{name}.pt"), *overrides)][1:]
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, "-m", module, str(model_dir), str(out), *overrides], cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", module, str(model_dir), *args], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         output, _ = p.communicate(timeout=300)
         assert p.returncode == 0, output[-3000:]
-    return torch.load(out, weights_only=True)
+    return {name: torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +70,20 @@ def test_step_gradient_does_not_depend_on_grouping(tmp_path, model_dir, zero):
     # Today's fixed micro-batches, the whole 12-row step in one: the step's token mean.
     whole = step_gradients(tmp_path, model_dir, 1, ds + ["train.micro_batch_size=12"], "whole")
     assert whole["micro_batches"] == [12]
-    # The same rows, 2 ranks x 6, regrouped within budgets of 60 and 25 positions.
-    split = step_gradients(tmp_path, model_dir, 2, ds + ["train.micro_batch_size=6",
-                                                        "train.max_tokens_per_micro_batch=60"], "split")
-    finer = step_gradients(tmp_path, model_dir, 2, ds + ["train.micro_batch_size=3", "train.gradient_accumulation_steps=2",
-                                                        "train.max_tokens_per_micro_batch=25"], "finer")
+    # The same rows, 2 ranks x 6, regrouped within budgets of 60 and 25 positions; and in fixed
+    # micro-batches of 6 rows per rank, a different loss (a mean of two token means). Each its own
+    # engine, in the same two processes; the fixed one first, so that it cannot read what an earlier
+    # engine left behind, and the two that must equal the whole step after it.
+    two_ranks = run_workers_in_turn("tests.workers.step_gradients", tmp_path, model_dir, 2, {
+        "fixed": ds + ["train.micro_batch_size=6"],
+        "split": ds + ["train.micro_batch_size=6", "train.max_tokens_per_micro_batch=60"],
+        "finer": ds + ["train.micro_batch_size=3", "train.gradient_accumulation_steps=2",
+                       "train.max_tokens_per_micro_batch=25"]})
+    split, finer, fixed = two_ranks["split"], two_ranks["finer"], two_ranks["fixed"]
     assert len(split["micro_batches"]) >= 2 and len(finer["micro_batches"]) > len(split["micro_batches"])
     for other in (split, finer):
         for name, g in whole["grads"].items():
             assert torch.allclose(other["grads"][name], g, rtol=1e-4, atol=1e-7), name
-    # Fixed micro-batches of 6 rows per rank are a different loss (a mean of two token means).
-    fixed = step_gradients(tmp_path, model_dir, 2, ds + ["train.micro_batch_size=6"], "fixed")
     assert any(not torch.allclose(fixed["grads"][n], g, rtol=1e-4, atol=1e-7) for n, g in whole["grads"].items())
 
 

@@ -1,7 +1,8 @@
 """One rank of tests/test_train_batching.py: the gradient of train's first optimizer step, written to a file.
 
-Run as `python -m tests.workers.step_gradients MODEL_DIR OUT_FILE key=value ...` with RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Builds train's real DeepSpeed engine (stages.train's
+Run as `python -m tests.workers.step_gradients MODEL_DIR OUT_FILE key=value ... [-- OUT_FILE key=value ...]`
+with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; each OUT_FILE's settings in turn, each with an
+engine of its own over the model as loaded from MODEL_DIR. Builds train's real DeepSpeed engine (stages.train's
 config and optimizer-step plan, gloo on CPU) over a fixed synthetic train set, runs the first
 optimizer step's micro-batches (right-padded, or packed with train.remove_padding) through
 stages.train.micro_step, and rank 0 saves every parameter's full fp32 gradient
@@ -44,8 +45,9 @@ def train_engine(model_dir: str, overrides: list[str]):
 
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    if not tdist.is_initialized():  # the process's first engine
+        tdist.init_process_group("gloo", rank=rank, world_size=world)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     cfg = load_config("configs/local_tiny.yaml", [f"model.path={model_dir}", *overrides])
     ctx = SimpleNamespace(cfg=cfg, iteration=0, rank=rank, world_size=world)
     model = load_policy(model_dir, "float32")
@@ -57,7 +59,19 @@ def train_engine(model_dir: str, overrides: list[str]):
 
 
 def main() -> int:
-    model_dir, out, *overrides = sys.argv[1:]
+    model_dir, *args = sys.argv[1:]
+    runs = [[]]
+    for arg in args:
+        if arg == "--":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for out, *overrides in runs:
+        step_gradients(model_dir, out, overrides)
+    return 0
+
+
+def step_gradients(model_dir: str, out: str, overrides: list[str]) -> None:
     import torch.distributed as tdist
     from deepspeed.utils import safe_get_full_grad
 
@@ -85,7 +99,7 @@ def main() -> int:
         torch.save({"grads": grads, "micro_batches": [len(m) for m in step.micro_batches],
                     "steps": len(optimizer_steps(train_rows(), ctx)), "moved": moved}, out)
     tdist.barrier()
-    return 0
+    engine.destroy()
 
 
 if __name__ == "__main__":
