@@ -47,21 +47,22 @@ def engine_processes(run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_one_engine_per_rank_serves_every_iteration_with_that_iterations_weights(tmp_path):
+    # Two iterations: the engine started for the first serves the second, reloaded with its policy
+    # (tests/test_faults.py's two-node case has one engine serve two iterations and a new one a third).
     run_dir = tmp_path / "run"
-    proc = run(run_dir, 3)
+    proc = run(run_dir, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
-        figures = [engine_figures(run_dir, it, rank) for it in range(3)]
-        # The same process served all three, each time the policy the iteration starts from.
+        figures = [engine_figures(run_dir, it, rank) for it in range(2)]
+        # The same process served both, each time the policy the iteration starts from.
         assert len({f["engine_pid"] for f in figures}) == 1
-        assert [f["served"] for f in figures] == [str(run_dir / "models" / m) for m in
-                                                  ("base", "iter_00000", "iter_00001")]
-        assert [f["requests_served"] for f in figures] == [1, 2, 3]
+        assert [f["served"] for f in figures] == [str(run_dir / "models" / m) for m in ("base", "iter_00000")]
+        assert [f["requests_served"] for f in figures] == [1, 2]
         # Start-up is told once, with the figure read from vLLM's log line; later requests reload.
         assert figures[0]["weights_s"] == 0.25 and figures[0]["engine_start_s"] > 0 and "reload_s" not in figures[0]
-        assert all(f["reload_s"] > 0 and "engine_start_s" not in f for f in figures[1:])
+        assert figures[1]["reload_s"] > 0 and "engine_start_s" not in figures[1]
         log = (run_dir / "logs" / "iter_00000" / "engine" / "attempt_1" / f"rank_{rank:05d}.log").read_text()
-        assert log.count("request: 2 prompts x 2") == 3
+        assert log.count("request: 2 prompts x 2") == 2
     # Only one engine step was started, and it is gone with the run, its addresses with it.
     assert not (run_dir / "logs" / "iter_00001" / "engine").exists()
     assert engine_processes(run_dir) == []
