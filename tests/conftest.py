@@ -26,9 +26,20 @@ def pytest_collection_modifyitems(items):
     """Groups for `--dist loadgroup`: every test of the SLURM cluster in one group, run in order by one
     worker (some stop a node or fill the cluster), and every other module as a group of its own, so
     that a module's fixtures are built once."""
+    groups = {}
     for item in items:
         on_cluster = item.get_closest_marker("slurm") or "slurm_cluster" in item.fixturenames
-        item.add_marker(pytest.mark.xdist_group("slurm" if on_cluster else item.nodeid.split("::")[0]))
+        group = "slurm" if on_cluster else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    # The order the workers take the groups in (with --no-loadscope-reorder): the SLURM group first, as
+    # the longest, then the others by their count of slow tests, so that what is left for the end is
+    # short. A worker takes its next group while it runs its last two tests: the SLURM group ends
+    # with its quick tests, so that the worker left with it does not hold a long group back.
+    slow = {g: sum(bool(i.get_closest_marker("slow")) for i in members) for g, members in groups.items()}
+    groups["slurm"] = sorted(groups.get("slurm", []), key=lambda i: not i.get_closest_marker("slow"))
+    order = sorted(groups, key=lambda g: (g != "slurm", -slow[g]))
+    items[:] = [item for g in order for item in groups[g]]
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,7 @@ def runs(tiny_run, plain_checkpoint_run):
     return tiny_run.dir, plain_checkpoint_run.dir
 
 
+@pytest.mark.slow
 def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
     deferred, before = runs
     same_weights(deferred, before)
@@ -92,6 +93,7 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
     assert "deferred_checkpoint" not in train and any(o.startswith("checkpoints/iter_00001/") for o in train["outputs"])
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_redoes_its_train(runs, tmp_path):
     """Train's rank 1 of iteration 0 is killed after its marker, while it waits to write (tests/slow_write):
     the next train's turn finds the checkpoint missing, and the run redoes train 0, its save and

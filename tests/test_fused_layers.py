@@ -177,6 +177,7 @@ def test_a_head_size_that_is_not_a_power_of_two(kernels_on):
 
 
 
+@pytest.mark.slow
 def test_deepspeed_keeps_the_joined_weights_back_to_back(tmp_path):
     # Real DeepSpeed, ZeRO-2 (gloo on the host, 2 ranks: each holds the whole model in one flat buffer
     # and a partition of the optimizer's copy; ZeRO-1 lays the model out with the same code).

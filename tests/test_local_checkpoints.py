@@ -60,6 +60,7 @@ def runs(tmp_path_factory, tiny_run):
     return tiny_run.dir, fast, store
 
 
+@pytest.mark.slow
 def test_node_local_checkpoints_give_the_same_weights_and_a_durable_copy(runs):
     durable, fast, store = runs
     for it in (0, 1):
@@ -83,6 +84,7 @@ def test_node_local_checkpoints_give_the_same_weights_and_a_durable_copy(runs):
     assert "nothing to persist" in plain["summary"]
 
 
+@pytest.mark.slow
 def test_resume_reads_the_durable_copy_when_the_local_one_is_gone(runs, tmp_path):
     _, fast, store = runs
     import shutil

@@ -76,6 +76,7 @@ def test_packed_rows_give_the_padded_rows_log_probs_loss_and_gradient(gqa_model)
     assert torch.allclose(again[pad_mask], padded_logp[pad_mask], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_packed_step_gradient_equals_the_padded_one_in_deepspeed(tmp_path, model_dir):  # noqa: F811
     ds = ["train.deepspeed_config=configs/ds_zero2_cpu.json"]
     # The whole 12-row step in one padded micro-batch, against the same rows packed on 2 ranks and
