@@ -222,6 +222,8 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
         problems.append(f"train.durable_every is {cfg.train.durable_every} but train.local_checkpoint_dir is not set: "
                         "without node-local checkpoints every checkpoint is written to the run dir; set "
                         "train.local_checkpoint_dir, or train.durable_every=1")
+    if cfg.train.cuda_graphs:
+        problems += cuda_graph_problems(cfg, stage, path)
     if cfg.train.grad_norm == "flat":
         problems += flat_grad_norm_problems(ds, stage, path)
     problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
@@ -240,6 +242,18 @@ def local_checkpoint_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) ->
     if "$" not in base and not os.path.isabs(os.path.expanduser(base)):
         problems.append(f"train.local_checkpoint_dir {cfg.train.local_checkpoint_dir!r} must be an absolute path "
                         "on each node (/dev/shm/syncrl, a local disk, or $SLURM_TMPDIR)")
+    return problems
+
+
+def cuda_graph_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[str]:
+    """A captured layer reads its weights at fixed addresses and runs as one piece."""
+    problems = []
+    if zero_stage == 3:
+        problems.append(f"train.cuda_graphs is on but {ds_path} uses ZeRO stage 3, which gathers each layer's weights "
+                        "while it runs: use ZeRO stage 1 or 2, or set train.cuda_graphs=false")
+    if cfg.model.gradient_checkpointing:
+        problems.append("train.cuda_graphs is on with model.gradient_checkpointing, which reruns each layer's forward "
+                        "in its backward: set one of them to false")
     return problems
 
 

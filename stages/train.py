@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import deferred_checkpoint, flops, grad_norm, packing, rehearsal, step_records, train_checkpoint
+from stages.rl import (cuda_graphs, deferred_checkpoint, flops, grad_norm, packing, rehearsal, step_records,
+                      train_checkpoint)
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
 from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
 from stages.rl.steps import optimizer_steps
 from stages.runtime import dist
-from stages.runtime.config import deepspeed_derived, zero_stage
+from stages.runtime.config import ConfigError, deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.memory import release_cached_memory
@@ -73,6 +74,7 @@ def set_up(ctx: StageContext) -> TrainRun:
         set_cpu_threads()
         rows = read_train_set(ctx)
         device = device_for(ctx.info.local_rank)
+        check_graph_device(ctx, device)
         dist.export_torch_env(ctx.info)
         dist.communication_env(ctx.attempt, t.socket_ifname)
         watchdog = dist.ProgressWatchdog(t.timeout_s, lambda msg: write_failure_record(ctx, TimeoutError(msg)))
@@ -137,6 +139,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         write_jsonl_atomic(curve, history)
         outputs.append(curve)
     first_micro_batch_s = totals.pop("first_micro_batch_s", 0.0)
+    graphs = {"cuda_graphs_s": totals.pop("cuda_graphs_s")} if "cuda_graphs_s" in totals else {}
     host = totals.pop("host")
     totals = _all_reduce_sums(totals, run.device)
     all_tokens = int(totals["tokens"])
@@ -144,7 +147,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
         "steps": len(history), "tokens": all_tokens, "positions": int(totals["positions"]),
         "model_flops": totals["flops"], "startup_s": run.startup_s, "startup_phases": run.phases.seconds,
         "train_s": train_s, "checkpoint_s": save_s, "first_micro_batch_s": first_micro_batch_s,
-        "update_host_s": host,
+        "update_host_s": host, **graphs,
         "tokens_per_s": all_tokens / train_s if train_s > 0 else 0.0,
         "positions_per_s": totals["positions"] / train_s if train_s > 0 else 0.0,
         **_history_means(history),
@@ -323,6 +326,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
     totals = {"tokens": 0, "positions": 0, "flops": 0.0}
     steps = optimizer_steps(rows, ctx)
     engine.train()
+    fixed = graph_layers(ctx, engine, steps, device, totals)
     bar = Progress(sum(len(s.micro_batches) for s in steps), f"train iteration {ctx.iteration}: micro-batches",
                    ctx.rank)
     passes = 3 + (ref is not None)  # forward + backward of the policy, forward of the reference
@@ -335,7 +339,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
             t0 = time.perf_counter()
-            batch = packing.pack(micro, device) if t.remove_padding else collate(micro, device)
+            batch = packing.pack(micro, device, fixed) if t.remove_padding else collate(micro, device)
             if step.normalizer is not None:
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
@@ -366,8 +370,34 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         check_gradient(ctx, record)
         host["step_records_s"] += time.perf_counter() - t0
     bar.close()
+    if fixed is not None:
+        cuda_graphs.release_layers(engine.module)  # their memory, for the checkpoint's copy
     totals["host"] = host
     return history, totals
+
+
+def check_graph_device(ctx: StageContext, device) -> None:
+    """train.cuda_graphs needs a GPU on every rank: said before anything is loaded."""
+    if ctx.cfg.train.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
+                          "GPU; set train.cuda_graphs=false")
+
+
+def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> packing.PackedShape | None:
+    """With train.cuda_graphs, capture the policy's layers as CUDA graphs at the one packed shape all
+    of this rank's micro-batches fit (stages/rl/cuda_graphs.py); returns that shape (None: no graphs)."""
+    if not ctx.cfg.train.cuda_graphs:
+        return None
+    t0 = time.time()
+    micro_batches = [micro for step in steps for micro in step.micro_batches]
+    shape = packing.fixed_shape(micro_batches)
+    layers = cuda_graphs.capture_layers(engine.module, shape, device)
+    totals["cuda_graphs_s"] = time.time() - t0
+    real = sum(packing.row_width(r) for micro in micro_batches for r in micro if r)
+    log.info("captured CUDA graphs of %d layers in %.1fs for micro-batches of %d positions, up to %d rows of up to "
+             "%d (%.0f%% of the positions they run are padding)", layers, totals["cuda_graphs_s"], shape.positions,
+             shape.segments - 1, shape.max_length, 100 * (1 - real / (shape.positions * max(1, len(micro_batches)))))
+    return shape
 
 
 def check_gradient(ctx: StageContext, record: dict) -> None:

@@ -60,15 +60,6 @@ def test_unknown_key_lists_valid_keys(tmp_path):
         load_config(write(tmp_path, "train:\n  micro_batch: 2\n"))
 
 
-def test_a_removed_key_says_it_was_removed_and_what_to_do(tmp_path):
-    cfg = tmp_path / "old.yaml"
-    cfg.write_text("train:\n  cuda_graphs: true\n")
-    with pytest.raises(ConfigError, match=r"old.yaml: 'train.cuda_graphs': train's CUDA graphs were removed .* delete the key"):
-        load_config(str(cfg))
-    with pytest.raises(ConfigError, match="'train.cuda_graphs': .* delete the key"):
-        load_config("configs/local_tiny.yaml", ["train.cuda_graphs=false"])
-
-
 def test_missing_file_is_named():
     with pytest.raises(ConfigError, match="nope.yaml not found"):
         load_config("nope.yaml")

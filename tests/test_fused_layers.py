@@ -189,3 +189,35 @@ def test_deepspeed_keeps_the_joined_weights_back_to_back(tmp_path):
     got = run_workers("tests.workers.flat_layout", tmp_path, model_dir, 2,
                       [f"train.deepspeed_config={ds}", "train.remove_padding=true"], "layout")
     assert got["before"] == got["after"] == [(True, True)] * len(got["before"]) and got["before"]
+
+
+def test_a_capture_calls_a_fused_layer_on_deepspeeds_layout(kernels_on, monkeypatch):
+    # make_graphed_callables runs each layer through cuda_graphs._layer_call with aliases of its
+    # parameters (stages/rl/cuda_graphs.py). With the weights laid out flat, as under ZeRO 1-2, the
+    # fused layer takes the aliases' q/k/v and gate/up as views: HF's output and gradients.
+    from stages.rl import cuda_graphs
+    from tests.test_cuda_graphs import layer_io
+
+    plain, fused = models("llama", "cpu")
+    lay_out_flat(fused)
+    for model in (plain, fused):
+        packing.use_packed_attention(model)
+    rows = train_rows(4, seed=1)
+    shape = packing.fixed_shape([rows])
+    batch = packing.pack(rows, torch.device("cpu"), shape)
+    views, adjacent = [], fused_layers._Adjacent.apply
+    monkeypatch.setattr(fused_layers._Adjacent, "apply", lambda *t: views.append(1) or adjacent(*t))
+    blocks = cuda_graphs.decoder_layers(fused)
+    for plain_block, block, (args, kwargs, output) in zip(cuda_graphs.decoder_layers(plain), blocks,
+                                                          layer_io(plain, batch)):
+        cos, sin = kwargs["position_embeddings"]
+        names, params = zip(*block.named_parameters())
+        aliases = [p.detach().requires_grad_() for p in params]
+        call = cuda_graphs._layer_call(block, names, shape.max_length)
+        got = call(args[0], cos, sin, kwargs["cu_seq_lens_q"], *aliases)
+        assert torch.allclose(got, output, rtol=1e-4, atol=1e-5)
+        got.square().sum().backward()
+        plain_block(args[0], **kwargs).square().sum().backward()
+        for name, p, a in zip(names, plain_block.parameters(), aliases):
+            assert torch.allclose(a.grad, p.grad, rtol=1e-4, atol=1e-5), name
+    assert len(views) == 2 * len(blocks)  # q/k/v and gate/up of each layer

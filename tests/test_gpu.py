@@ -144,19 +144,76 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
-def test_two_iterations_of_the_gpu_config_on_one_rank(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["hf-layers", "fused-layers"])
+def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights(fused):
+    # train.cuda_graphs (stages/rl/cuda_graphs.py): micro-batches of other rows and lengths, all
+    # packed to one shape, through captured layers and through the eager ones, with the weights
+    # changed in place between steps (as DeepSpeed's optimizer step changes them). The same kernels
+    # on the same shapes: the same results; unpadded, within bf16's reach.
+    import copy
+
+    import torch
+
+    from stages.rl import cuda_graphs, packing
+    from tests.test_packing import loss_and_grads
+    from tests.workers.step_gradients import train_rows
+
+    eager = small_llama(layers=3)
+    packing.use_packed_attention(eager)
+    if fused:  # model.fused_layers: its Triton kernels captured too
+        from stages.rl.fused_layers import fuse_layers
+
+        assert fuse_layers(eager) == 6
+    graphed = copy.deepcopy(eager)
+    device = torch.device("cuda")
+    micro_batches = [train_rows(24, seed=s)[:n] for s, n in ((1, 24), (2, 17), (3, 24), (4, 1))]
+    shape = packing.fixed_shape(micro_batches)
+    # As DeepSpeed's ZeRO 1-2 do: each parameter's gradient accumulator kept alive, with a hook
+    # after accumulation. The capture must not reach them; every step must.
+    params = list(graphed.parameters())
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+    hooked = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: hooked.append(p))
+    assert cuda_graphs.capture_layers(graphed, shape, device) == 3
+    assert hooked == [] and len(accumulators) == len(params)
+    for step, rows in enumerate(micro_batches):
+        batch = packing.pack(rows, device, shape)
+        want_logp, want_loss, want_grads = loss_and_grads(eager, batch)
+        logp, loss, grads = loss_and_grads(graphed, batch)
+        assert len(hooked) == len(params) * (step + 1), step
+        assert torch.equal(logp, want_logp) and torch.equal(loss, want_loss), step
+        for name, g in want_grads.items():
+            assert torch.equal(grads[name], g), (step, name)
+        _, unpadded_loss, _ = loss_and_grads(eager, packing.pack(rows, device))
+        assert abs(loss.item() - unpadded_loss.item()) < 1e-2 * max(1.0, abs(unpadded_loss.item()))
+        with torch.no_grad():
+            for a, b in zip(eager.parameters(), graphed.parameters()):
+                a.sub_(1e-2 * a.grad)
+                b.sub_(1e-2 * b.grad)  # in place: where the graphs read it
+    # Without gradients (the reference's way, or a log-prob pass) the layers run eagerly.
+    with torch.no_grad():
+        batch = packing.pack(micro_batches[0], device, shape)
+        kw = packing.model_kwargs(batch)
+        assert torch.equal(graphed(input_ids=batch["input_ids"], **kw).logits,
+                           eager(input_ids=batch["input_ids"], **kw).logits)
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_two_iterations_with_captured_layers(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
                            "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
-                           "--launcher", "local"],
+                           "train.cuda_graphs=true", "--launcher", "local"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for it in (0, 1):
         log = (run / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00000.log").read_text()
+        assert "captured CUDA graphs of 24 layers" in log, log[-3000:]
         # Started early, it rehearsed a micro-step before its turn (stages/rl/rehearsal.py), on the GPU.
         assert "rehearsed a micro-step" in log and "micro-step before the turn failed" not in log, log[-3000:]
         train = json.loads((run / f"iter_{it:05d}" / "markers" / "train.done").read_text())
-        assert abs(train["loss_mean"]) < 10 and 0 < train["grad_norm_mean"] < 1e3, train
+        assert train["cuda_graphs_s"] > 0 and abs(train["loss_mean"]) < 10 and 0 < train["grad_norm_mean"] < 1e3, train
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")

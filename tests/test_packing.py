@@ -35,6 +35,49 @@ def test_rows_are_laid_end_to_end_with_their_own_positions_and_loss_spans():
     assert empty["mask"].sum() == 0 and empty["tokens"] == 0 and empty["lengths"] == []
 
 
+def test_a_fixed_shape_pads_with_masked_segments_of_at_least_one_token():
+    rows = [{"prompt_ids": [5, 6], "completion_ids": [7, 8, 9], "logprobs": [-1.0, -2.0, -3.0], "advantage": 0.5},
+            {"prompt_ids": [10], "completion_ids": [11], "logprobs": [-4.0], "advantage": -1.0}]
+    # The fullest has 2 rows (3 segments), the most positions 7: 7 + 3, rounded up to 4; the longest
+    # row 5, rounded up to 4: the attention's max_length.
+    assert packing.fixed_shape([rows, rows[:1], [None]], multiple=4) == (12, 3, 8)
+    b = packing.pack(rows, torch.device("cpu"), (10, 5))
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0, 0, 0]]
+    # Three padding segments: one token, one token, the rest (no zero-length sequence for the kernel).
+    assert b["cu_seq_lens"].tolist() == [0, 5, 7, 8, 9, 10] and b["max_length"] == 10
+    assert b["mask"].tolist() == [[0, 1, 1, 1, 0, 1, 0, 0, 0]]
+    # The figures count the rows, not the padding.
+    assert b["tokens"] == 4 and b["lengths"] == [5, 2]
+    tight = packing.pack(rows, torch.device("cpu"), (8, 3))  # room for the one padding segment only
+    assert tight["cu_seq_lens"].tolist() == [0, 5, 7, 8] and tight["input_ids"].shape == (1, 8)
+    empty = packing.pack([None], torch.device("cpu"), (8, 3))
+    assert empty["cu_seq_lens"].tolist() == [0, 2, 3, 8] and empty["mask"].sum() == 0 and empty["lengths"] == []
+    with pytest.raises(ValueError, match="2 rows and 7 positions .* does not fit .* 2 rows and 7 positions"):
+        packing.pack(rows, torch.device("cpu"), (7, 3))
+    with pytest.raises(ValueError, match="does not fit .* 1 rows"):
+        packing.pack(rows, torch.device("cpu"), (10, 2))
+
+
+def test_padding_segments_are_no_longer_than_the_longest_row():
+    # The attention kernel's grid is sized by max_length: the longest row, not the batch's positions;
+    # a padding segment longer than it would be attended only in part.
+    long = {"prompt_ids": [1] * 4, "completion_ids": [2] * 12, "logprobs": [-1.0] * 12, "advantage": 1.0}
+    short = {"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0], "advantage": 1.0}
+    micro_batches = [[long, long], [short, None], [None, None]]
+    shape = packing.fixed_shape(micro_batches, multiple=4)
+    assert shape.max_length == 16 and shape.positions >= 32 + shape.segments
+    for micro in micro_batches:
+        b = packing.pack(micro, torch.device("cpu"), shape)
+        cu = b["cu_seq_lens"].tolist()
+        widths = [y - x for x, y in zip(cu, cu[1:])]
+        assert len(widths) == shape.segments and cu[-1] == shape.positions and b["max_length"] == 16
+        assert min(widths) >= 1 and max(widths) <= 16, widths
+    # A short row's micro-batch needs more padding segments than the fullest's one: fixed_shape adds them.
+    assert shape.segments > 3
+    with pytest.raises(ValueError, match="none longer than 4"):
+        packing.pack([short], torch.device("cpu"), (12, 2, 4))
+
+
 @pytest.fixture(scope="module")
 def gqa_model():
     from transformers import AutoModelForCausalLM
@@ -74,6 +117,19 @@ def test_packed_rows_give_the_padded_rows_log_probs_loss_and_gradient(gqa_model)
     # A padded batch still runs through it (SDPA) as before.
     again, _, _ = loss_and_grads(gqa_model, collate(rows, torch.device("cpu")))
     assert torch.allclose(again[pad_mask], padded_logp[pad_mask], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_rows_packed_to_a_fixed_shape_give_the_same_loss_and_gradient(gqa_model):
+    # What train.cuda_graphs runs: the rows, then padding segments, one token each but the last.
+    rows = train_rows(6, seed=5)
+    want_logp, want_loss, want_grads = loss_and_grads(gqa_model, packing.pack(rows, torch.device("cpu")))
+    batch = packing.pack(rows, torch.device("cpu"), (packing.fixed_shape([rows])[0] + 64, 10))
+    logp, loss, grads = loss_and_grads(gqa_model, batch)
+    n = want_logp.shape[1]
+    assert torch.allclose(logp[:, :n], want_logp, atol=1e-6) and torch.allclose(loss, want_loss, atol=1e-7)
+    for name, g in want_grads.items():
+        assert torch.allclose(grads[name], g, rtol=1e-5, atol=1e-8), name
 
 
 @pytest.mark.slow

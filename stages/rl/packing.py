@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import NamedTuple
 
 import torch
 
@@ -22,10 +23,29 @@ import torch
 ATTENTION = "syncrl_packed"
 
 
-def pack(micro: list[dict | None], device) -> dict:
+class PackedShape(NamedTuple):
+    """One tensor shape for all of an iteration's packed micro-batches (train.cuda_graphs: a graph
+    replays the shape it captured). `longest` bounds every segment, rows and padding alike: it is the
+    attention's max_length, which sizes the flash kernel's grid (blocks of queries per row and head),
+    so it is the longest row, not the batch's positions; None is the positions."""
+    positions: int
+    segments: int
+    longest: int | None = None
+
+    @property
+    def max_length(self) -> int:
+        return self.positions if self.longest is None else self.longest
+
+
+def pack(micro: list[dict | None], device, shape: tuple | None = None) -> dict:
     """The rows of `micro` (None: a padding row, skipped) as one sequence, with the same fields as
     batches.collate over [1, T] (T the rows' summed lengths), the per-token advantages, and the row
-    offsets the attention needs (cu_seq_lens, max_length)."""
+    offsets the attention needs (cu_seq_lens, max_length).
+
+    With shape (a PackedShape or its tuple) every batch has the same tensor shapes, as a captured
+    CUDA graph needs (train.cuda_graphs): T is `positions`, the rows followed by masked padding
+    segments of 1 to `longest` tokens (no zero-length sequence for the attention kernel), and
+    cu_seq_lens has segments + 1 entries; max_length is the shape's, which bounds every segment."""
     real = [r for r in micro if r is not None]
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in real] or [[0, 0]]  # an empty batch: one masked row
     total = sum(len(s) for s in seqs)
@@ -33,6 +53,9 @@ def pack(micro: list[dict | None], device) -> dict:
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
     lengths = [len(s) for s in seqs] if real else []
+    if shape is not None:
+        shape = PackedShape(*shape)
+        seqs, offsets, total = _fill(seqs, offsets, total, shape)
     # Built on the host as two tensors (token ids and positions; loss mask, old log-probs and
     # advantages), each sent in one copy: a copy from ordinary host memory makes the host wait for
     # the GPU to finish what is queued, which five copies per micro-batch did.
@@ -53,10 +76,29 @@ def pack(micro: list[dict | None], device) -> dict:
     ints, floats, cu = (to_device(x, device) for x in (ints, floats, cu))
     out = dict(input_ids=ints[0:1], position_ids=ints[1:2], mask=floats[0:1], old_logp=floats[1:2],
                advantages=floats[2:3], cu_seq_lens=cu)
-    out["max_length"] = max(len(s) for s in seqs)
+    out["max_length"] = shape.max_length if shape is not None else max(len(s) for s in seqs)
     out["lengths"] = lengths
     out["tokens"] = sum(len(r["completion_ids"]) for r in real)
     return out
+
+
+def _fill(seqs: list, offsets: list, total: int, shape: PackedShape):
+    """The sequences, offsets and length of a batch filled out to the shape's positions and segments
+    with padding segments of token 0 (outside the loss mask; no row attends to them), one token each
+    and the rest of the positions on the last ones, none longer than the shape's max_length."""
+    missing, padding, bound = shape.segments - len(seqs), shape.positions - total, shape.max_length
+    if missing < 1 or padding < missing or padding > missing * bound or max(map(len, seqs)) > bound:
+        raise ValueError(f"a micro-batch of {len(seqs)} rows and {total} positions (the longest "
+                         f"{max(map(len, seqs))}) does not fit the fixed shape of {shape.segments - 1} rows and "
+                         f"{shape.positions} positions it was given (rows + 1 segments, a position for each "
+                         f"segment left, none longer than {bound})")
+    sizes, rest = [1] * missing, padding - missing
+    for i in reversed(range(missing)):
+        sizes[i] += min(rest, bound - 1)
+        rest -= sizes[i] - 1
+    for size in sizes:
+        offsets = offsets + [offsets[-1] + size]
+    return seqs + [[0] * size for size in sizes], offsets, shape.positions
 
 
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -153,3 +195,24 @@ def _varlen_attn():
 def row_width(row: dict) -> int:
     """The positions a row takes in a batch: its prompt and its completion."""
     return len(row["prompt_ids"]) + len(row["completion_ids"])
+
+
+def fixed_shape(micro_batches: list[list[dict | None]], multiple: int = 64) -> PackedShape:
+    """The PackedShape that every one of `micro_batches` fits packed (pack's `shape`): a segment per
+    row of the fullest plus padding segments, as many as it takes for each micro-batch's padding to
+    fit segments no longer than the longest row (rounded up to `multiple`); the most positions of any
+    plus a position for each padding segment, rounded up to `multiple`."""
+    sizes, widest = [], 2  # (positions, rows) of each; an empty micro-batch packs as one masked row of 2 tokens
+    for micro in micro_batches:
+        widths = [row_width(r) for r in micro if r is not None] or [2]
+        sizes.append((sum(widths), len(widths)))
+        widest = max(widest, *widths)
+    sizes = sizes or [(2, 1)]
+    longest = -(-widest // multiple) * multiple
+    most_rows, most_positions = max(r for _, r in sizes), max(t for t, _ in sizes)
+    for extra in range(1, len(sizes) * most_positions + 2):
+        segments = most_rows + extra
+        positions = -(-(most_positions + segments) // multiple) * multiple
+        if all(positions - t <= (segments - r) * longest for t, r in sizes):
+            return PackedShape(positions, segments, longest)
+    raise AssertionError("unreachable: each padding segment added holds `longest` more positions")

@@ -234,6 +234,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "ranks": world, "steps": tr["steps"], "tokens": tokens, "positions": positions,
                 "startup_s": max(r["startup_s"] for r in train), "train_s": train_s,
                 "first_micro_batch_s": max(r.get("first_micro_batch_s", 0.0) for r in train),
+                "cuda_graphs_s": max(r.get("cuda_graphs_s", 0.0) for r in train),
                 # rank 0's: where its host time in the update went (the GPU runs behind it)
                 **{f"host_{k}": tr.get("update_host_s", {}).get(k) for k in UPDATE_HOST},
                 "checkpoint_s": max(r["checkpoint_s"] for r in train),
@@ -316,6 +317,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     print("  update s             ", col("train", "train_s", "{:>9.1f}"))
     print("  first micro-batch s  ", col("train", "first_micro_batch_s", "{:>9.1f}"),
           "  (of the update; train.compile: the compile, or reading its cache)")
+    if any(r["train"]["cuda_graphs_s"] for r in per_it):
+        print("  CUDA graphs s        ", col("train", "cuda_graphs_s", "{:>9.1f}"),
+              "  (of the update: train.cuda_graphs capturing the layers)")
     if all(r["train"]["host_forward_backward_s"] is not None for r in per_it):
         print("  the update's host time, rank 0 (s; the GPU runs behind the host: where the host waits for it, "
               "that part carries the GPU's time):")

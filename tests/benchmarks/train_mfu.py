@@ -16,7 +16,9 @@ packed (each micro-batch's rows as one sequence, train.remove_padding), serial (
 overlap_comm off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
-inf/NaN pass in the optimizer step), nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
+inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
+as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed),
+nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
 a bound, not a setting train offers) and flatnorm (the norm and clipping on the flat fp32 partition
 instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
 the MLP's gate/up each one matrix product, the rotary embedding and SiLU-times-up Triton kernels:
@@ -66,7 +68,7 @@ OFFLOAD_CONFIGS = {2: "configs/ds_zero2_cpuadam.json", 3: "configs/ds_zero3_offl
 
 def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
-         "packed": False, "serial": False, "layers": False, "nocheck": False,
+         "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
          "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False,
          "offload": False, "records": False, "balance": False, "rehearse": False,
          "contiguous_gradients": None, "name": text}
@@ -75,13 +77,15 @@ def parse_variant(text: str) -> dict:
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
-        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck",
+        elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck", "graphs",
                       "nonorm", "flatnorm", "kernels", "onebucket", "offload", "records", "balance", "rehearse"):
             v[part] = True
         elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
             v["contiguous_gradients"] = part == "contiguous"
         else:
             raise SystemExit(f"unknown variant part {part!r} in {text!r}")
+    if v["graphs"] and not v["packed"]:
+        raise SystemExit(f"{text}: graphs captures packed micro-batches; add :packed")
     return v
 
 
@@ -178,7 +182,7 @@ def main() -> int:
     import torch
     import torch.distributed as tdist
 
-    from stages.rl import flops, grad_norm, packing, rehearsal, step_records, steps
+    from stages.rl import cuda_graphs, flops, grad_norm, packing, rehearsal, step_records, steps
     from stages.rl.modeling import compile_layers, load_policy
     from stages.rl.tiny_model import create_base_model
     from stages.rl.batches import collate
@@ -255,8 +259,16 @@ def main() -> int:
             micros = [[rows[i] for i in g] for g in groups]
         else:
             micros = [rows[i:i + v["micro"]] for i in range(0, len(rows), v["micro"])]
+        fixed = None
+        if v["graphs"]:
+            t_capture = time.perf_counter()
+            fixed = packing.fixed_shape(micros)
+            cuda_graphs.capture_layers(engine.module, fixed, device)
+            if rank == 0:
+                print(f"{v['name']}: captured at {fixed.positions} positions, {fixed.segments - 1} rows of up to "
+                      f"{fixed.max_length} in {time.perf_counter() - t_capture:.1f} s", flush=True)
         if v["packed"]:
-            batches = [packing.pack(m, device) for m in micros]
+            batches = [packing.pack(m, device, fixed) for m in micros]
         else:
             batches = [collate(m, device) for m in micros]
         if device.type == "cuda":
