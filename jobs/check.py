@@ -222,7 +222,7 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
         problems.append(f"train.durable_every is {cfg.train.durable_every} but train.local_checkpoint_dir is not set: "
                         "without node-local checkpoints every checkpoint is written to the run dir; set "
                         "train.local_checkpoint_dir, or train.durable_every=1")
-    if cfg.train.cuda_graphs:
+    if cfg.train.graph_layers:
         problems += cuda_graph_problems(cfg, stage, path)
     if cfg.train.grad_norm == "flat":
         problems += flat_grad_norm_problems(ds, stage, path)
@@ -249,10 +249,10 @@ def cuda_graph_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[
     """A captured layer reads its weights at fixed addresses and runs as one piece."""
     problems = []
     if zero_stage == 3:
-        problems.append(f"train.cuda_graphs is on but {ds_path} uses ZeRO stage 3, which gathers each layer's weights "
-                        "while it runs: use ZeRO stage 1 or 2, or set train.cuda_graphs=false")
+        problems.append(f"train.graph_layers is on but {ds_path} uses ZeRO stage 3, which gathers each layer's weights "
+                        "while it runs: use ZeRO stage 1 or 2, or set train.graph_layers=false")
     if cfg.model.gradient_checkpointing:
-        problems.append("train.cuda_graphs is on with model.gradient_checkpointing, which reruns each layer's forward "
+        problems.append("train.graph_layers is on with model.gradient_checkpointing, which reruns each layer's forward "
                         "in its backward: set one of them to false")
     return problems
 

@@ -377,16 +377,16 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
 
 
 def check_graph_device(ctx: StageContext, device) -> None:
-    """train.cuda_graphs needs a GPU on every rank: said before anything is loaded."""
-    if ctx.cfg.train.cuda_graphs and device.type != "cuda":
-        raise ConfigError(f"train.cuda_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
-                          "GPU; set train.cuda_graphs=false")
+    """train.graph_layers needs a GPU on every rank: said before anything is loaded."""
+    if ctx.cfg.train.graph_layers and device.type != "cuda":
+        raise ConfigError(f"train.graph_layers is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
+                          "GPU; set train.graph_layers=false")
 
 
 def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> packing.PackedShape | None:
-    """With train.cuda_graphs, capture the policy's layers as CUDA graphs at the one packed shape all
+    """With train.graph_layers, capture the policy's layers as CUDA graphs at the one packed shape all
     of this rank's micro-batches fit (stages/rl/cuda_graphs.py); returns that shape (None: no graphs)."""
-    if not ctx.cfg.train.cuda_graphs:
+    if not ctx.cfg.train.graph_layers:
         return None
     t0 = time.time()
     micro_batches = [micro for step in steps for micro in step.micro_batches]

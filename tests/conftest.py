@@ -35,10 +35,13 @@ def pytest_collection_modifyitems(items):
     # The order the workers take the groups in (with --no-loadscope-reorder): the SLURM group first, as
     # the longest, then the others by their count of slow tests, so that what is left for the end is
     # short. A worker takes its next group while it runs its last two tests: the SLURM group ends
-    # with its quick tests, so that the worker left with it does not hold a long group back.
+    # with its quick tests, so that the worker left with it does not hold a long group back. Its
+    # tests that compare with the session's tiny_run come after those that do not, so that the other
+    # worker (whose first groups read it) has made it by then.
     slow = {g: sum(bool(i.get_closest_marker("slow")) for i in members) for g, members in groups.items()}
     if "slurm" in groups:  # a selection without SLURM tests has no such group
-        groups["slurm"] = sorted(groups["slurm"], key=lambda i: not i.get_closest_marker("slow"))
+        groups["slurm"] = sorted(groups["slurm"], key=lambda i: (not i.get_closest_marker("slow"),
+                                                                 "tiny_run" in i.fixturenames))
     order = sorted(groups, key=lambda g: (g != "slurm", -slow[g]))
     items[:] = [item for g in order for item in groups[g]]
 

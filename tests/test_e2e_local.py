@@ -175,13 +175,24 @@ def _is_live(pid):
     return state != "Z"  # zombies are reaped slowly here; they hold nothing
 
 
-def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer(tmp_path):
+def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer_and_generate_spreads_over_two_ranks_slots(tmp_path):
+    # One run for two settings that do not meet: train's ZeRO-3 with a KL term, RLOO advantages and
+    # torch.compile, and generate.gpus_per_process=2 (one generate, and score, process takes both
+    # rank slots; train keeps 2 ranks).
     run = tmp_path / "run"
     proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL,
                   "train.deepspeed_config=configs/ds_zero3_cpu.json", "train.kl_coef=0.1", "gather.advantage=rloo",
                   "train.compile=aot_eager",  # dynamo traces through ZeRO-3's hooks; no kernels built on CPU
-                  "train.max_tokens_per_micro_batch=40")  # each rank's 16 rows of ~6 tokens: 3 micro-batches
+                  "train.max_tokens_per_micro_batch=40",  # each rank's 16 rows of ~6 tokens: 3 micro-batches
+                  "generate.gpus_per_process=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for it in (run / "iter_00000", run / "iter_00001"):
+        assert [p.name for p in sorted((it / "generate").glob("rank_*.jsonl"))] == ["rank_00000.jsonl"]
+        assert [p.name for p in sorted((it / "score").glob("rank_*.jsonl"))] == ["rank_00000.jsonl"]
+        rows = (it / "generate" / "rank_00000.jsonl").read_text().splitlines()
+        assert len(rows) == 8 * 4  # every prompt of the iteration x attempts, in the one shard
+        worlds = [json.loads((it / "markers" / f"{s}.done").read_text())["world_size"] for s in ("generate", "train")]
+        assert worlds == [1, 2]
     log = (run / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00001.log").read_text()
     assert "ZeRO stage 3" in log and "resumed weights and optimizer state" in log
     assert re.search(r"policy and \d+ reference layers compiled with torch.compile backend aot_eager", log)
@@ -205,21 +216,6 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer(tmp_path):
     master = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag="iter_00001")
     exported = load_file(run / "models" / "iter_00001" / "model.safetensors")
     assert all(torch.equal(exported[k], master[k].to(exported[k].dtype)) for k in exported)
-
-
-def test_generate_spread_over_two_ranks_slots(tmp_path):
-    # generate.gpus_per_process=2: one generate (and score) process takes both rank slots; train keeps 2 ranks.
-    run = tmp_path / "run"
-    proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1", *SMALL,
-                  "generate.gpus_per_process=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    it = run / "iter_00000"
-    assert [p.name for p in sorted((it / "generate").glob("rank_*.jsonl"))] == ["rank_00000.jsonl"]
-    assert [p.name for p in sorted((it / "score").glob("rank_*.jsonl"))] == ["rank_00000.jsonl"]
-    rows = (it / "generate" / "rank_00000.jsonl").read_text().splitlines()
-    assert len(rows) == 8 * 4  # every prompt of the iteration x attempts, in the one shard
-    markers = json.loads((it / "markers" / "train.done").read_text())
-    assert markers["world_size"] == 2 and json.loads((it / "markers" / "generate.done").read_text())["world_size"] == 1
 
 
 def test_rerun_acts_on_the_run_dir_given_not_the_one_its_config_records(tmp_path, tiny_run):

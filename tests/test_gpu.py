@@ -146,7 +146,7 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 @pytest.mark.parametrize("fused", [False, True], ids=["hf-layers", "fused-layers"])
 def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights(fused):
-    # train.cuda_graphs (stages/rl/cuda_graphs.py): micro-batches of other rows and lengths, all
+    # train.graph_layers (stages/rl/cuda_graphs.py): micro-batches of other rows and lengths, all
     # packed to one shape, through captured layers and through the eager ones, with the weights
     # changed in place between steps (as DeepSpeed's optimizer step changes them). The same kernels
     # on the same shapes: the same results; unpadded, within bf16's reach.
@@ -204,7 +204,7 @@ def test_two_iterations_with_captured_layers(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
                            "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
-                           "train.cuda_graphs=true", "--launcher", "local"],
+                           "train.graph_layers=true", "--launcher", "local"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for it in (0, 1):

@@ -121,7 +121,7 @@ def test_packed_rows_give_the_padded_rows_log_probs_loss_and_gradient(gqa_model)
 
 @pytest.mark.slow
 def test_rows_packed_to_a_fixed_shape_give_the_same_loss_and_gradient(gqa_model):
-    # What train.cuda_graphs runs: the rows, then padding segments, one token each but the last.
+    # What train.graph_layers runs: the rows, then padding segments, one token each but the last.
     rows = train_rows(6, seed=5)
     want_logp, want_loss, want_grads = loss_and_grads(gqa_model, packing.pack(rows, torch.device("cpu")))
     batch = packing.pack(rows, torch.device("cpu"), (packing.fixed_shape([rows])[0] + 64, 10))

@@ -206,7 +206,7 @@ class TrainConfig:
     # Deal each epoch's shuffled rows into micro-batches of near-equal token counts (longest rows
     # first, each to the micro-batch with the fewest tokens so far; stages/rl/steps.py) instead of in
     # shuffled order: every step costs about the same, ranks do not wait for the one with the longest
-    # rows, and train.cuda_graphs pads little. Which rows share a step then depends on their lengths (rows of similar length go to
+    # rows, and train.graph_layers pads little. Which rows share a step then depends on their lengths (rows of similar length go to
     # different steps) rather than on the shuffle alone.
     balance_tokens: bool = True
     # Each micro-batch's rows packed end to end into one sequence, attention within each row
@@ -229,7 +229,7 @@ class TrainConfig:
     # dispatch (a small model, short micro-batches). Each train process captures them once, at the
     # largest packed micro-batch of its iteration, to which every micro-batch is then padded. Needs
     # GPUs, train.remove_padding, train.compile: eager, no gradient checkpointing and ZeRO stage 0-2.
-    cuda_graphs: bool = False
+    graph_layers: bool = False
     # Where the gradient norm (and its clipping at max_grad_norm) is taken: "deepspeed", one parameter
     # at a time in DeepSpeed's step; "flat", one multi-tensor norm of the flat fp32 gradient partition
     # the step hands its optimizer (stages/rl/grad_norm.py: the same clipping, a fraction of the
@@ -265,12 +265,12 @@ class TrainConfig:
         if self.max_tokens_per_micro_batch < 0:
             raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
                               "0 keeps fixed micro-batches of train.micro_batch_size rows)")
-        if self.cuda_graphs and not self.remove_padding:
-            raise ConfigError("train.cuda_graphs needs packed micro-batches (one fixed shape to capture): set "
-                              "train.remove_padding=true, or train.cuda_graphs=false")
-        if self.cuda_graphs and self.compile != "eager":
-            raise ConfigError(f"train.cuda_graphs captures the eager layers; train.compile is {self.compile}: set "
-                              "train.compile=eager, or train.cuda_graphs=false")
+        if self.graph_layers and not self.remove_padding:
+            raise ConfigError("train.graph_layers needs packed micro-batches (one fixed shape to capture): set "
+                              "train.remove_padding=true, or train.graph_layers=false")
+        if self.graph_layers and self.compile != "eager":
+            raise ConfigError(f"train.graph_layers captures the eager layers; train.compile is {self.compile}: set "
+                              "train.compile=eager, or train.graph_layers=false")
         _positive("train.epochs", self.epochs)
         _positive("train.durable_every", self.durable_every)
         _positive("train.timeout_s", self.timeout_s)

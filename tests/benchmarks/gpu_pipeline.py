@@ -319,7 +319,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
           "  (of the update; train.compile: the compile, or reading its cache)")
     if any(r["train"]["cuda_graphs_s"] for r in per_it):
         print("  CUDA graphs s        ", col("train", "cuda_graphs_s", "{:>9.1f}"),
-              "  (of the update: train.cuda_graphs capturing the layers)")
+              "  (of the update: train.graph_layers capturing the layers)")
     if all(r["train"]["host_forward_backward_s"] is not None for r in per_it):
         print("  the update's host time, rank 0 (s; the GPU runs behind the host: where the host waits for it, "
               "that part carries the GPU's time):")

@@ -17,7 +17,7 @@ overlap_comm off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
 inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
-as a CUDA graph, every micro-batch packed to the largest's shape: train.cuda_graphs; with packed),
+as a CUDA graph, every micro-batch packed to the largest's shape: train.graph_layers; with packed),
 nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
 a bound, not a setting train offers) and flatnorm (the norm and clipping on the flat fp32 partition
 instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
