@@ -19,6 +19,7 @@ from pathlib import Path
 from jobs.launchers import group_problem, launcher_kind
 from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
                                   to_dict, zero_stage)
+from stages.runtime import reward_plugin
 from stages.runtime.data import read_jsonl_problems
 from stages.runtime.dist import allocation
 from stages.runtime.paths import RunPaths
@@ -33,12 +34,25 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
     problems += _check_run_dir(cfg)
     problems += _check_model(cfg)
     problems += _check_data(cfg)
+    problems += _check_reward_fn(cfg)
     problems += _check_deepspeed(cfg)
     problems += _check_sizes(cfg, world_size(cfg, launcher, env))
     problems += _check_resources(cfg, launcher, env)
     problems += _check_generate_spread(cfg, launcher, env)
     problems += _check_generate_engine(cfg)
     return problems
+
+
+def _check_reward_fn(cfg: RunConfig) -> list[str]:
+    """score.reward_fn imports here, as score will import it (with the run's working directory on
+    the path): a missing module or name is found before any allocation time is spent."""
+    if not cfg.score.reward_fn:
+        return []
+    try:
+        reward_plugin.load(cfg.score.reward_fn)
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
 def _check_generate_engine(cfg: RunConfig) -> list[str]:
@@ -189,7 +203,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
     if not os.access(path, os.R_OK):
         return [f"data.source {path} is not readable: fix its permissions"]
     try:
-        problems = read_jsonl_problems(path)
+        problems = read_jsonl_problems(path, gsm8k_answers=not cfg.score.reward_fn)
     except ConfigError as e:
         return [f"data.source: {e}"]
     if len(problems) < cfg.data.prompts_per_iteration:

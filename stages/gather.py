@@ -78,7 +78,17 @@ def iteration_stats(rows: list[dict], kept: list[dict], counts: dict) -> dict:
         "train_rows": len(kept),
         "dropped_zero_variance": counts["dropped_zero_variance"],
         "dropped_rejection": counts["dropped_rejection"],
+        **reward_term_means(rows),
     }
+
+
+def reward_term_means(rows: list[dict]) -> dict:
+    """The mean of each named term a score.reward_fn returned (over the rows that have it)."""
+    values: dict[str, list[float]] = {}
+    for r in rows:
+        for name, v in r.get("reward_terms", {}).items():
+            values.setdefault(name, []).append(float(v))
+    return {f"{name}_mean": statistics.fmean(v) for name, v in sorted(values.items())}
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def main(ctx: StageContext) -> None:
     load_s = time.time() - t0
     log.info("loaded %s on %s in %.1fs", ctx.policy_path(), device, load_s)
 
-    problems = load_problems(cfg.data, cfg.seed)
+    problems = load_problems(cfg.data, cfg.seed, gsm8k_answers=not cfg.score.reward_fn)
     items = shard(iteration_prompts(cfg.data, problems, cfg.seed, ctx.iteration), ctx.rank, ctx.world_size)
     torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
 
@@ -184,6 +184,7 @@ def completion_rows(tokenizer, items: list[dict], g, prompt_ids: list, completio
             "sample_index": j % g.attempts,
             "question": item["question"],
             "answer": item["answer"],
+            **({"fields": item["fields"]} if "fields" in item else {}),
             "prompt": item["prompt"],
             "prompt_ids": prompt_ids[j // g.attempts],
             "completion_ids": ids[:n],

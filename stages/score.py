@@ -1,4 +1,5 @@
-"""score: GSM8K-style correctness reward plus format terms for this rank's generate shard.
+"""score: GSM8K-style correctness reward plus format terms for this rank's generate shard, or the
+user's own reward function (score.reward_fn).
 
 Reads iter_I/generate/rank_K.jsonl, writes iter_I/score/rank_K.jsonl (the same rows plus reward
 fields). CPU only; never imports torch, so it starts in a fraction of a second.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from stages.rl.answer import extract_answer, is_correct, normalize_number
+from stages.runtime import reward_plugin
 from stages.runtime.config import ScoreConfig
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.stage import StageContext, run_stage
@@ -25,8 +27,16 @@ log = logging.getLogger("syncrl.score")
 def main(ctx: StageContext) -> None:
     """Score this rank's completions."""
     rows = read_jsonl(ctx.paths.shard(ctx.iteration, "generate", ctx.rank))
+    cfg = ctx.cfg.score
+    fn = reward_plugin.load(cfg.reward_fn) if cfg.reward_fn else None
     for row in rows:
-        row.update(reward_fields(row["completion"], row["answer"], row.get("truncated", False), ctx.cfg.score))
+        fields = reward_fields(row["completion"], row["answer"], row.get("truncated", False), cfg)
+        if fn is not None:
+            problem = {**row.get("fields", {}), "question": row["question"], "answer": row["answer"]}
+            where = f"prompt {row['prompt_id']} attempt {row['sample_index']} (question {row['question'][:80]!r})"
+            fields = {k: v for k, v in fields.items() if k in reward_plugin.GSM8K_FIELDS}
+            fields.update(reward_plugin.call(fn, cfg.reward_fn, row["completion"], problem, cfg, where))
+        row.update(fields)
     out = ctx.paths.shard(ctx.iteration, "score", ctx.rank)
     n = write_jsonl_atomic(out, rows)
     correct = sum(r["correct"] for r in rows)

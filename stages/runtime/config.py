@@ -174,6 +174,18 @@ class ScoreConfig:
     marker_reward: float = 0.0
     # Penalty per completion that hit max_new_tokens without an end-of-sequence token.
     truncation_penalty: float = 0.0
+    # A reward of your own, "package.module:function", importable on every node (installed, or on
+    # PYTHONPATH). Called as function(completion, row, cfg): the completion's text, the problem's row
+    # of the data file (question, answer and every other field) and this section. It returns the
+    # reward (a number), or a dict of "reward" and other named numbers or booleans, which reach the
+    # scored rows and, as means, gather's stats, metrics.jsonl and W&B ("correct" and "formatted",
+    # where given, replace GSM8K's). Empty: GSM8K correctness plus the terms above.
+    reward_fn: str = ""
+
+    def __post_init__(self):
+        module, sep, name = self.reward_fn.partition(":")
+        if self.reward_fn and not (sep and module and name.isidentifier()):
+            raise ConfigError(f"score.reward_fn {self.reward_fn!r}: give it as package.module:function")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Problems in GSM8K format (`question`, `answer` ending in `#### N`) and each iteration's prompts.
+"""Problems (`question`, `answer`: GSM8K's ends in `#### N`) and each iteration's prompts. A row's
+other fields travel with its prompt (`fields`) to the score stage's reward function.
 
 Sources: a local JSONL file, a `datasets` hub name where one is reachable, or the built-in synthetic
 arithmetic task. Torch-free.
@@ -13,19 +14,22 @@ from pathlib import Path
 from stages.runtime.config import ConfigError, DataConfig, read_text_file
 
 
-def load_problems(cfg: DataConfig, seed: int) -> list[dict]:
+def load_problems(cfg: DataConfig, seed: int, gsm8k_answers: bool = True) -> list[dict]:
+    """The run's problems; `gsm8k_answers`: each answer must end in `#### N` (the built-in reward
+    reads it; a score.reward_fn reads the answer its own way)."""
     if cfg.source == "synthetic":
         return synthetic_problems(cfg.synthetic_size, cfg.synthetic_max_operand, seed)
     path = Path(cfg.source)
     if path.suffix in (".jsonl", ".json") or path.exists():
-        return read_jsonl_problems(path)
+        return read_jsonl_problems(path, gsm8k_answers)
     return _hub_problems(cfg.source, cfg.split)
 
 
 def iteration_prompts(cfg: DataConfig, problems: list[dict], seed: int, iteration: int) -> list[dict]:
     """This iteration's prompts, the same on every rank and every rerun (seeded by seed and iteration).
 
-    Each item: prompt_id (unique in the run), question, answer, prompt (the templated text).
+    Each item: prompt_id (unique in the run), question, answer, prompt (the templated text), and
+    fields (the row's other fields, where it has any).
     Draws without replacement within an iteration; an iteration may reuse problems of earlier ones.
     """
     rng = random.Random(seed * 1_000_003 + iteration)
@@ -42,6 +46,7 @@ def iteration_prompts(cfg: DataConfig, problems: list[dict], seed: int, iteratio
             "question": p["question"],
             "answer": p["answer"],
             "prompt": cfg.prompt_template.format(question=p["question"]),
+            **({"fields": p["fields"]} if p.get("fields") else {}),
         })
     return items
 
@@ -61,7 +66,7 @@ def synthetic_problems(size: int, max_operand: int, seed: int) -> list[dict]:
     return out
 
 
-def read_jsonl_problems(path: Path) -> list[dict]:
+def read_jsonl_problems(path: Path, gsm8k_answers: bool = True) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"data.source {path} not found: give a GSM8K-format JSONL file, a hub name, or 'synthetic'")
     problems = []
@@ -75,9 +80,11 @@ def read_jsonl_problems(path: Path) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
                 or not isinstance(row.get("answer"), str):
             raise ConfigError(f"{path}:{lineno}: each row needs string fields 'question' and 'answer'")
-        if "####" not in row["answer"]:
-            raise ConfigError(f"{path}:{lineno}: 'answer' must end with '#### <number>' (GSM8K format)")
-        problems.append({"question": row["question"], "answer": row["answer"]})
+        if gsm8k_answers and "####" not in row["answer"]:
+            raise ConfigError(f"{path}:{lineno}: 'answer' must end with '#### <number>' (GSM8K format), or "
+                              "score.reward_fn must name a reward function that reads it")
+        extra = {k: v for k, v in row.items() if k not in ("question", "answer")}
+        problems.append({"question": row["question"], "answer": row["answer"], **({"fields": extra} if extra else {})})
     if not problems:
         raise ConfigError(f"data.source {path} is empty: it holds no problems; give a GSM8K-format JSONL file, "
                           "one {\"question\": ..., \"answer\": ...} object per line")
