@@ -318,7 +318,7 @@ def main() -> int:
                 run(timed_batches)
                 sync()  # the profile's wall then covers the GPU's queue too
 
-            host_profiled(timed_steps)
+            host_profiled(timed_steps, rows=60)  # deep enough that the optimizer step shows beside the layers
         else:
             run(batches[args.warmup:], timed=args.split)
         if device.type == "cuda":
