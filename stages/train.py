@@ -131,7 +131,7 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     t2 = time.time()
     run.watchdog.beat("save checkpoint")
     release_cached_memory()
-    saved = run.checkpointer.save(run.engine)
+    saved = run.checkpointer.save(run.engine, run.watchdog)
     outputs = saved.outputs
     save_s = time.time() - t2
     if ctx.rank == 0:

@@ -68,8 +68,9 @@ class Checkpointer:
         if self.writer:
             shutil.rmtree(self.folder / self.staging, ignore_errors=True)
 
-    def save(self, engine) -> Saved:
-        """This iteration's checkpoint, whole (or held whole in host memory) on every rank."""
+    def save(self, engine, watchdog) -> Saved:
+        """This iteration's checkpoint, whole (or held whole in host memory) on every rank; each
+        piece of it beats `watchdog` (train's no-progress watchdog)."""
         raise NotImplementedError
 
     def after_marker(self, watchdog) -> None:
@@ -95,11 +96,12 @@ class Checkpointer:
                                            ctx.paths.root)
         markers.publish_dir(self.folder / self.staging, self.folder / self.tag)
 
-    def policy_for_save(self, engine, writes=None) -> Path | None:
+    def policy_for_save(self, engine, watchdog, writes=None) -> Path | None:
         """The policy's weights in one file under the train folder, for save where it could read no
         whole checkpoint in time (stages/rl/policy_file.py); its path on rank 0, which writes it.
         ZeRO-3: gathered from every rank's shard (every rank calls). ZeRO 0-2: the model states the
         deferred checkpoint holds in host memory."""
+        watchdog.beat("write the policy's weights")
         path = self.ctx.paths.train_policy(self.ctx.iteration)
         if self.zero3:
             return policy_file.write_gathered(engine, path, self.ctx.rank == 0)
@@ -113,9 +115,10 @@ class Checkpointer:
 class Plain(Checkpointer):
     """Every rank's files into the run dir's checkpoints/iter_I before the marker."""
 
-    def save(self, engine) -> Saved:
+    def save(self, engine, watchdog) -> Saved:
         self.write(engine)
         self.publish()
+        watchdog.beat("finish")
         outputs = [self.ctx.paths.checkpoints / self.tag] if self.ctx.rank == 0 else []
         return Saved(outputs, {"prunable": [f"checkpoints/{self.tag}/"]})
 
@@ -126,17 +129,18 @@ class NodeLocal(Checkpointer):
     are then removed (the persist stage has copied them: train waits for it). Under ZeRO-3 no node
     holds the weights whole, so train also gathers them into the policy file for save."""
 
-    def save(self, engine) -> Saved:
+    def save(self, engine, watchdog) -> Saved:
         ctx = self.ctx
         checkpoint_id = dist.agree(uuid.uuid4().hex)
         self.write(engine)
         self.publish(checkpoint_id)
         if self.writer:
             local_checkpoints.prune(self.folder, keep=ctx.iteration)
+        watchdog.beat("finish")
         local = {"id": checkpoint_id, "dir": str(self.folder.parent)}
         saved, policy = Saved(extra={"local_checkpoint": local}), None
         if self.zero3:
-            policy = self.policy_for_save(engine)
+            policy = self.policy_for_save(engine, watchdog)
             local["policy"] = True
             saved.extra["prunable"] = self.policy_prunable()
         if ctx.rank == 0:
@@ -158,7 +162,7 @@ class Deferred(Checkpointer):
         self.writes: deferred_checkpoint.DeferredWrites | None = None
         self.checkpoint_id = ""
 
-    def save(self, engine) -> Saved:
+    def save(self, engine, watchdog) -> Saved:
         ctx = self.ctx
         budget = deferred_checkpoint.snapshot_budget(ctx, held=self.pool.untaken_bytes())
         self.writes = deferred_checkpoint.DeferredWrites(engine.checkpoint_engine, budget, self.pool)
@@ -166,7 +170,8 @@ class Deferred(Checkpointer):
         self.write(engine)
         self.pool.release()
         deferred_checkpoint.write_layout(ctx, self.writes)
-        policy = self.policy_for_save(engine, self.writes)
+        watchdog.beat("finish")
+        policy = self.policy_for_save(engine, watchdog, self.writes)
         self.checkpoint_id = dist.agree(uuid.uuid4().hex)
         record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
         saved = Saved(written_after_marker=True, extra={
