@@ -32,7 +32,10 @@ Adam: configs/ds_zero2_cpuadam.json for z2, configs/ds_zero3_offload.json for z3
 stages/rl/step_records.py), and balance (the rows dealt into
 micro-batches of near-equal tokens, train.balance_tokens: with --mixed), and rehearse (the
 rehearsal of stages/rl/rehearsal.py run before the model is loaded: compare the first step's time in
-a fresh process, one variant per process).
+a fresh process, one variant per process), and leaf (ZeRO-3's zero_optimization.leaf_module set to the
+decoder layer's class: one parameter-gathering hook pair per layer instead of one per submodule),
+and persist (ZeRO-3's stage3_param_persistence_threshold above every parameter's size: nothing is
+partitioned, so no hook gathers; a bound for one rank, not a setting for a sharded run).
 --mixed gives each row a completion of random length (as sampling does) instead of --seq tokens.
 --split times each step's forward and backward apart from its optimizer step (a device sync
 between the two), so what the step itself costs is printed. --host-profile prints rank 0's Python
@@ -70,15 +73,16 @@ def parse_variant(text: str) -> dict:
     v = {"zero": 2, "micro": 8, "gc": False, "kl": False, "compile": False, "fused": False, "foreach": False,
          "packed": False, "serial": False, "layers": False, "nocheck": False, "graphs": False,
          "nonorm": False, "flatnorm": False, "kernels": False, "onebucket": False,
-         "offload": False, "records": False, "balance": False, "rehearse": False,
-         "contiguous_gradients": None, "name": text}
+         "offload": False, "records": False, "balance": False, "rehearse": False, "leaf": False,
+         "persist": False, "contiguous_gradients": None, "name": text}
     for part in text.split(":"):
         if part[0] == "z":
             v["zero"] = int(part[1:])
         elif part[0] == "m":
             v["micro"] = int(part[1:])
         elif part in ("gc", "kl", "compile", "fused", "foreach", "packed", "serial", "layers", "nocheck", "graphs",
-                      "nonorm", "flatnorm", "kernels", "onebucket", "offload", "records", "balance", "rehearse"):
+                      "nonorm", "flatnorm", "kernels", "onebucket", "offload", "records", "balance", "rehearse",
+                      "leaf", "persist"):
             v[part] = True
         elif part in ("scattered", "contiguous"):  # ZeRO's contiguous_gradients off / on (else the JSON's)
             v["contiguous_gradients"] = part == "contiguous"
@@ -209,6 +213,10 @@ def main() -> int:
             ds["zero_optimization"]["overlap_comm"] = False
         if v["onebucket"]:  # small-llama's gradients in one reduction bucket: one flush (and device sync) a step
             ds["zero_optimization"]["reduce_bucket_size"] = 5e8
+        if v["leaf"]:
+            ds["zero_optimization"]["leaf_module"] = {"classes": ["LlamaDecoderLayer"]}
+        if v["persist"]:
+            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 1e12
         if v["contiguous_gradients"] is not None:
             ds["zero_optimization"]["contiguous_gradients"] = v["contiguous_gradients"]
         if v["nocheck"]:
