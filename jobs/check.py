@@ -33,6 +33,7 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
     problems: list[str] = []
     problems += _check_run_dir(cfg)
     problems += _check_model(cfg)
+    problems += _check_chat_template(cfg)
     problems += _check_data(cfg)
     problems += _check_reward_fn(cfg)
     problems += _check_deepspeed(cfg)
@@ -191,6 +192,31 @@ def _check_model(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _check_chat_template(cfg: RunConfig) -> list[str]:
+    """data.chat_template needs a tokenizer that has one, found where transformers keeps it (in
+    tokenizer_config.json, or a chat_template.jinja / .json file beside it), without loading it."""
+    if not cfg.data.chat_template:
+        return []
+    fix = ("use an instruct model's tokenizer (model.path or model.tokenizer), or set data.chat_template=false and "
+           "write the model's prompt format in data.prompt_template")
+    m = cfg.model
+    if not m.path and not m.tokenizer:
+        return [f"data.chat_template is true but the built-in preset's character tokenizer has no chat template: {fix}"]
+    tok = resolve(m.tokenizer or m.path)
+    if tok is None:
+        return []  # _check_model names the missing directory
+    if (tok / "chat_template.jinja").is_file() or (tok / "chat_template.json").is_file():
+        return []
+    try:
+        config = json.loads((tok / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict) and config.get("chat_template"):
+        return []
+    return [f"data.chat_template is true but the tokenizer in {tok} has no chat template (none in "
+            f"tokenizer_config.json, no chat_template.jinja): {fix}"]
+
+
 def _check_data(cfg: RunConfig) -> list[str]:
     src = cfg.data.source
     if src == "synthetic":
@@ -198,12 +224,12 @@ def _check_data(cfg: RunConfig) -> list[str]:
     path = resolve(src)
     if path is None:
         if _looks_like_path(src):
-            return [f"data.source {src} not found: give a GSM8K-format JSONL file, a hub name, or 'synthetic'"]
+            return [f"data.source {src} not found: give a JSONL file, a hub name, or 'synthetic'"]
         return []  # a hub name: checked when the stage loads it
     if not os.access(path, os.R_OK):
         return [f"data.source {path} is not readable: fix its permissions"]
     try:
-        problems = read_jsonl_problems(path, gsm8k_answers=not cfg.score.reward_fn)
+        problems = read_jsonl_problems(path, cfg.data)
     except ConfigError as e:
         return [f"data.source: {e}"]
     if len(problems) < cfg.data.prompts_per_iteration:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from stages.rl import decoding
+from stages.rl import decoding, prompts
 from stages.rl.batches import completion_logprobs
 from stages.rl.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.rl.vllm_sampler import VllmSampler
@@ -66,8 +66,9 @@ def main(ctx: StageContext) -> None:
     load_s = time.time() - t0
     log.info("loaded %s on %s in %.1fs", ctx.policy_path(), device, load_s)
 
-    problems = load_problems(cfg.data, cfg.seed, gsm8k_answers=not cfg.score.reward_fn)
+    problems = load_problems(cfg.data, cfg.seed)
     items = shard(iteration_prompts(cfg.data, problems, cfg.seed, ctx.iteration), ctx.rank, ctx.world_size)
+    prompts.encode(tokenizer, items, cfg.data, ctx.tokenizer_path())
     torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
 
     t1 = time.time()
@@ -92,8 +93,9 @@ def sample_seed(seed: int, iteration: int, rank: int) -> int:
 
 
 def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, rank: int = 0) -> tuple[list, dict]:
-    """Rows for every item x g.attempts samples, with the policy's log-probs of the sampled tokens,
-    and figures on how they were sampled (the marker's `sampling`)."""
+    """Rows for every item (with its "prompt_ids": stages/rl/prompts.encode) x g.attempts samples,
+    with the policy's log-probs of the sampled tokens, and figures on how they were sampled (the
+    marker's `sampling`)."""
     if sampler is not None:
         return sample_with(sampler, model, tokenizer, items, g, device)
     if g.cache == "compact":
@@ -202,7 +204,7 @@ def add_logprobs(rows: list[dict], per_row: list[list[float]]) -> None:
 
 def unpadded_prompt_ids(tokenizer, items: list[dict]) -> list[list[int]]:
     """Each prompt's token ids on its own, for samplers that take prompts of different lengths."""
-    return [tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+    return [it["prompt_ids"] for it in items]
 
 
 def call_seed() -> int:
@@ -215,16 +217,16 @@ def sample_generate(model, tokenizer, items: list[dict], g, device) -> tuple[lis
     """HF generate over the left-padded batch: (prompt ids per prompt, completion ids per sequence, in
     prompt order, `attempts` consecutive sequences per prompt; each runs to the longest one's end)."""
     # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
-    enc = tokenizer([it["prompt"] for it in items], return_tensors="pt", padding=True,
-                    padding_side="left", add_special_tokens=False).to(device)
+    prompt_ids = unpadded_prompt_ids(tokenizer, items)
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
     sequences = model.generate(
-        **enc, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
         max_new_tokens=g.max_new_tokens, num_return_sequences=g.attempts,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **CACHE_ARGS[g.cache],
     )
-    # The prompts without their left padding, once per prompt.
-    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
-    return prompt_ids, sequences[:, enc["input_ids"].shape[1]:].tolist()
+    return prompt_ids, sequences[:, width:].tolist()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""score: GSM8K-style correctness reward plus format terms for this rank's generate shard, or the
-user's own reward function (score.reward_fn).
+"""score: correctness of each completion's final answer against the reference (read as
+data.answer_format says) plus format terms, for this rank's generate shard, or the user's own
+reward function (score.reward_fn).
 
 Reads iter_I/generate/rank_K.jsonl, writes iter_I/score/rank_K.jsonl (the same rows plus reward
 fields). CPU only; never imports torch, so it starts in a fraction of a second.
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import logging
 
-from stages.rl.answer import extract_answer, is_correct, normalize_number
+from stages.runtime.answer import boxed_text, extract_answer, is_correct, normalize_number, reference_answer
 from stages.runtime import reward_plugin
 from stages.runtime.config import ScoreConfig
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
 from stages.runtime.stage import StageContext, run_stage
 
-__all__ = ["extract_answer", "is_correct", "normalize_number", "reward_fields", "main"]
+__all__ = ["extract_answer", "is_correct", "normalize_number", "reference_answer", "reward_fields", "main"]
 
 log = logging.getLogger("syncrl.score")
 
@@ -29,8 +30,10 @@ def main(ctx: StageContext) -> None:
     rows = read_jsonl(ctx.paths.shard(ctx.iteration, "generate", ctx.rank))
     cfg = ctx.cfg.score
     fn = reward_plugin.load(cfg.reward_fn) if cfg.reward_fn else None
+    fmt = ctx.cfg.data.answer_format
     for row in rows:
-        fields = reward_fields(row["completion"], row["answer"], row.get("truncated", False), cfg)
+        reference = reference_answer(row["answer"], fmt) if fmt != "custom" else None
+        fields = reward_fields(row["completion"], reference, row.get("truncated", False), cfg)
         if fn is not None:
             problem = {**row.get("fields", {}), "question": row["question"], "answer": row["answer"]}
             where = f"prompt {row['prompt_id']} attempt {row['sample_index']} (question {row['question'][:80]!r})"
@@ -45,9 +48,14 @@ def main(ctx: StageContext) -> None:
     ctx.write_marker([out], extra={"rows": n, "correct": correct})
 
 
-def reward_fields(completion: str, reference: str, truncated: bool, cfg: ScoreConfig) -> dict:
+def reward_fields(completion: str, reference: str | None, truncated: bool, cfg: ScoreConfig) -> dict:
+    """The built-in reward's fields; `reference` None: no answer syncrl can read (data.answer_format:
+    custom), so never correct."""
+    # The final answer: a number, or the body of a last \boxed{} that is not one ("\frac{1}{2}").
     pred = extract_answer(completion)
-    correct = pred is not None and is_correct(completion, reference)
+    if pred is None:
+        pred = boxed_text(completion) or None
+    correct = pred is not None and reference is not None and is_correct(completion, reference)
     has_marker = "####" in completion and pred is not None
     reward = (cfg.correct_reward * correct + cfg.format_reward * (pred is not None)
               + cfg.marker_reward * has_marker - cfg.truncation_penalty * bool(truncated))

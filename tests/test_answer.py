@@ -1,4 +1,4 @@
-"""Tests for stages.rl.answer: final-answer extraction and grading."""
+"""Tests for stages.runtime.answer: final-answer extraction and grading."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.rl import answer as answer_module
-from stages.rl.answer import extract_answer, is_correct, normalize_number
+from stages.runtime import answer as answer_module
+from stages.runtime.answer import extract_answer, is_correct, normalize_number
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The shared data directory sits next to the checkout on the cluster; users'
@@ -395,7 +395,7 @@ HEAVY_MODULES = ("torch", "numpy", "transformers", "deepspeed", "wandb", "safete
 def test_import_does_not_pull_in_heavy_modules():
     code = (
         "import sys\n"
-        "import stages.rl.answer\n"
+        "import stages.runtime.answer\n"
         f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
@@ -404,7 +404,7 @@ def test_import_does_not_pull_in_heavy_modules():
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "", f"importing stages.rl.answer imported {result.stdout.strip()}"
+    assert result.stdout.strip() == "", f"importing stages.runtime.answer imported {result.stdout.strip()}"
 
 
 def test_module_imports_only_the_standard_library():

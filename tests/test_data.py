@@ -43,7 +43,7 @@ def test_jsonl_reader_names_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"d.jsonl:2: not valid JSON"):
         read_jsonl_problems(p)
     p.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
-    with pytest.raises(ConfigError, match=r"d.jsonl:1: 'answer' must end with '#### <number>'"):
+    with pytest.raises(ConfigError, match=r"d.jsonl:1: 'answer' must be a worked solution ending with '#### <answer>'"):
         read_jsonl_problems(p)
     p.write_text("")
     with pytest.raises(ConfigError, match="is empty: it holds no problems"):

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from stages.generate import sample_rows, sample_seed
+from stages.rl import prompts
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.rl.tiny_model import create_base_model
-from stages.runtime.config import GenerateConfig
+from stages.runtime.config import DataConfig, GenerateConfig
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,9 @@ ITEMS = [{"prompt_id": f"0-{i}", "problem_index": i, "question": q, "answer": f"
 def sample(policy, seed, g):
     model, tok = policy
     torch.manual_seed(seed)
-    return sample_rows(model, tok, ITEMS, g, torch.device("cpu"))[0]  # rows; the stage's own call
+    items = [dict(it) for it in ITEMS]
+    prompts.encode(tok, items, DataConfig(), "the tiny preset's")  # as generate does, before sampling
+    return sample_rows(model, tok, items, g, torch.device("cpu"))[0]  # rows; the stage's own call
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "compact"])

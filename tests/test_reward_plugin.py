@@ -14,7 +14,7 @@ import pytest
 
 from jobs.check import check
 from stages.runtime import reward_plugin
-from stages.runtime.config import ConfigError, ScoreConfig, load_config
+from stages.runtime.config import ConfigError, DataConfig, ScoreConfig, load_config
 from stages.runtime.data import iteration_prompts, read_jsonl_problems
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,9 +83,9 @@ def test_a_call_gives_the_reward_its_terms_or_names_the_row(plugin_dir):
 def test_other_fields_of_a_row_travel_with_its_prompt(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "\\boxed{2}", "hint": "2", "level": 3}) + "\n")
-    with pytest.raises(ConfigError, match="or score.reward_fn must name a reward function"):
+    with pytest.raises(ConfigError, match="'custom' with score.reward_fn reading them"):
         read_jsonl_problems(data)
-    problems = read_jsonl_problems(data, gsm8k_answers=False)
+    problems = read_jsonl_problems(data, DataConfig(answer_format="custom"))
     assert problems == [{"question": "1+1?", "answer": "\\boxed{2}", "fields": {"hint": "2", "level": 3}}]
     cfg = load_config(ROOT / "configs" / "local_tiny.yaml", ["data.prompts_per_iteration=1"])
     items = iteration_prompts(cfg.data, problems, 0, 0)

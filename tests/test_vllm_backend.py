@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from stages.generate import sample_rows
+from stages.rl import prompts
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.modeling import load_policy, load_tokenizer
 from stages.rl.tiny_model import create_base_model
 from stages.rl.vllm_sampler import VllmSampler
-from stages.runtime.config import GenerateConfig
+from stages.runtime.config import DataConfig, GenerateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDINS = Path(__file__).parent / "standins"
@@ -45,8 +46,9 @@ def vllm(monkeypatch):
 
 def sample(base, sampler, seed, g):
     torch.manual_seed(seed)
-    rows, _ = sample_rows(load_policy(base, "float32").eval(), load_tokenizer(base), ITEMS, g, torch.device("cpu"),
-                          sampler)
+    tokenizer, items = load_tokenizer(base), [dict(it) for it in ITEMS]
+    prompts.encode(tokenizer, items, DataConfig(), base)
+    rows, _ = sample_rows(load_policy(base, "float32").eval(), tokenizer, items, g, torch.device("cpu"), sampler)
     return rows
 
 

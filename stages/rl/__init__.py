@@ -1,2 +1,2 @@
 """The RL library the stages compute with: models and samplers, batches, the loss, advantages,
-answers, FLOPs and checkpoint I/O. Only stage processes load it (most of it needs torch)."""
+FLOPs and checkpoint I/O. Only stage processes load it (most of it needs torch)."""

@@ -19,6 +19,7 @@ import yaml
 
 # The built-in base models (stages/rl/tiny_model.py holds their dimensions).
 PRESETS = ("tiny-llama", "small-llama", "llama3-3b-shape", "llama3-8b-shape")
+ANSWER_FORMATS = ("gsm8k", "boxed", "plain", "custom")
 
 
 class ConfigError(ValueError):
@@ -51,11 +52,29 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "synthetic" (built-in arithmetic task), a local GSM8K-format JSONL path, or a `datasets` hub name.
+    # "synthetic" (built-in arithmetic task), a local JSONL path (one problem per line), or a `datasets`
+    # hub name.
     source: str = "synthetic"
     split: str = "train"
     prompts_per_iteration: int = 16
+    # The prompt's text; `{question}` is the row's question_field. With chat_template it is the user
+    # turn of the conversation, which the tokenizer's own template wraps.
     prompt_template: str = "{question}\n"
+    # The fields of a data row that hold the question and the reference answer; the row's other
+    # fields travel with it to score.reward_fn.
+    question_field: str = "question"
+    answer_field: str = "answer"
+    # How the reference answer is read, and each completion's answer by the built-in reward:
+    # "gsm8k" (a worked solution ending in `#### N`), "boxed" (a solution whose last `\boxed{...}` is
+    # the answer, MATH-style), "plain" (the field is the answer itself: "72", "1/2") or "custom"
+    # (syncrl does not read it; score.reward_fn does). Every row is checked before the run starts.
+    answer_format: str = "gsm8k"
+    # Build each prompt with the tokenizer's chat template (an instruct model's conversation format):
+    # system_prompt as the system turn where given, prompt_template as the user turn, then the
+    # opening of the assistant's turn. Without it, the prompt is prompt_template's text after the
+    # special tokens the tokenizer puts first (BOS, where it adds one).
+    chat_template: bool = False
+    system_prompt: str = ""
     # Synthetic task only: operands are drawn from [0, synthetic_max_operand].
     synthetic_max_operand: int = 4
     synthetic_size: int = 2000
@@ -64,6 +83,20 @@ class DataConfig:
         _positive("data.prompts_per_iteration", self.prompts_per_iteration)
         _positive("data.synthetic_max_operand", self.synthetic_max_operand)
         _positive("data.synthetic_size", self.synthetic_size)
+        _choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
+        for key in ("question_field", "answer_field"):
+            if not getattr(self, key):
+                raise ConfigError(f"data.{key} is empty: name the data file's field (for example 'question')")
+        if self.question_field == self.answer_field:
+            raise ConfigError(f"data.question_field and data.answer_field are both {self.question_field!r}: "
+                              "name two different fields")
+        if self.system_prompt and not self.chat_template:
+            raise ConfigError("data.system_prompt is set but data.chat_template is false: a system turn needs "
+                              "the tokenizer's chat template; set data.chat_template=true, or put the text in "
+                              "data.prompt_template")
+        if self.source == "synthetic" and self.answer_format not in ("gsm8k", "custom"):
+            raise ConfigError(f"data.answer_format {self.answer_format!r} is for a data file: the synthetic task's "
+                              "answers are GSM8K's (`#### N`); leave it 'gsm8k'")
         if "{question}" not in self.prompt_template:
             raise ConfigError(
                 "data.prompt_template must contain '{question}' (for example \"Question: {question}\\nAnswer:\")"
@@ -412,6 +445,10 @@ class RunConfig:
         _positive("start_early_wait_s", self.start_early_wait_s)
         if not self.run_dir:
             raise ConfigError("run_dir is empty: set it in the config or as run_dir=PATH")
+        if self.data.answer_format == "custom" and not self.score.reward_fn:
+            raise ConfigError("data.answer_format is 'custom' (syncrl does not read the answers) but "
+                              "score.reward_fn is empty: name the reward function that reads them, or choose "
+                              "'gsm8k', 'boxed' or 'plain'")
 
 
 # Keys that change how a run is executed but not what it computes: changing them on resume is fine.

@@ -1,5 +1,6 @@
-"""Problems (`question`, `answer`: GSM8K's ends in `#### N`) and each iteration's prompts. A row's
-other fields travel with its prompt (`fields`) to the score stage's reward function.
+"""Problems and each iteration's prompts. A problem is a data row's question and reference answer
+(the fields data.question_field and data.answer_field name, the answer in data.answer_format); the
+row's other fields travel with its prompt (`fields`) to the score stage's reward function.
 
 Sources: a local JSONL file, a `datasets` hub name where one is reachable, or the built-in synthetic
 arithmetic task. Torch-free.
@@ -11,18 +12,25 @@ import json
 import random
 from pathlib import Path
 
+from stages.runtime.answer import reference_answer
 from stages.runtime.config import ConfigError, DataConfig, read_text_file
 
+# What a row's answer field must hold, per data.answer_format, in an error's words.
+FORMAT_NEEDS = {
+    "gsm8k": "a worked solution ending with '#### <answer>' (GSM8K format)",
+    "boxed": "a solution with its answer in \\boxed{...}",
+    "plain": "the answer itself, not empty",
+}
 
-def load_problems(cfg: DataConfig, seed: int, gsm8k_answers: bool = True) -> list[dict]:
-    """The run's problems; `gsm8k_answers`: each answer must end in `#### N` (the built-in reward
-    reads it; a score.reward_fn reads the answer its own way)."""
+
+def load_problems(cfg: DataConfig, seed: int) -> list[dict]:
+    """The run's problems: {"question", "answer", and "fields" where the row has others}."""
     if cfg.source == "synthetic":
         return synthetic_problems(cfg.synthetic_size, cfg.synthetic_max_operand, seed)
     path = Path(cfg.source)
     if path.suffix in (".jsonl", ".json") or path.exists():
-        return read_jsonl_problems(path, gsm8k_answers)
-    return _hub_problems(cfg.source, cfg.split)
+        return read_jsonl_problems(path, cfg)
+    return _hub_problems(cfg)
 
 
 def iteration_prompts(cfg: DataConfig, problems: list[dict], seed: int, iteration: int) -> list[dict]:
@@ -66,9 +74,12 @@ def synthetic_problems(size: int, max_operand: int, seed: int) -> list[dict]:
     return out
 
 
-def read_jsonl_problems(path: Path, gsm8k_answers: bool = True) -> list[dict]:
+def read_jsonl_problems(path: Path, cfg: DataConfig | None = None) -> list[dict]:
+    """The problems of a JSONL file, every row checked as `cfg` (its field names and answer format)
+    reads it; an error names the file and line."""
+    cfg = cfg or DataConfig()
     if not path.is_file():
-        raise ConfigError(f"data.source {path} not found: give a GSM8K-format JSONL file, a hub name, or 'synthetic'")
+        raise ConfigError(f"data.source {path} not found: give a JSONL file, a hub name, or 'synthetic'")
     problems = []
     for lineno, line in enumerate(read_text_file(path).splitlines(), 1):
         if not line.strip():
@@ -77,27 +88,40 @@ def read_jsonl_problems(path: Path, gsm8k_answers: bool = True) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
-                or not isinstance(row.get("answer"), str):
-            raise ConfigError(f"{path}:{lineno}: each row needs string fields 'question' and 'answer'")
-        if gsm8k_answers and "####" not in row["answer"]:
-            raise ConfigError(f"{path}:{lineno}: 'answer' must end with '#### <number>' (GSM8K format), or "
-                              "score.reward_fn must name a reward function that reads it")
-        extra = {k: v for k, v in row.items() if k not in ("question", "answer")}
-        problems.append({"question": row["question"], "answer": row["answer"], **({"fields": extra} if extra else {})})
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+        problems.append(problem(row, cfg, f"{path}:{lineno}"))
     if not problems:
-        raise ConfigError(f"data.source {path} is empty: it holds no problems; give a GSM8K-format JSONL file, "
-                          "one {\"question\": ..., \"answer\": ...} object per line")
+        raise ConfigError(f"data.source {path} is empty: it holds no problems; give a JSONL file, one "
+                          f'{{"{cfg.question_field}": ..., "{cfg.answer_field}": ...}} object per line')
     return problems
 
 
-def _hub_problems(name: str, split: str) -> list[dict]:
+def problem(row: dict, cfg: DataConfig, where: str) -> dict:
+    """One data row as a problem; `where` names the row for an error."""
+    q, a = cfg.question_field, cfg.answer_field
+    missing = [k for k in (q, a) if not isinstance(row.get(k), str)]
+    if missing:
+        others = ", ".join(sorted(k for k in row if k not in (q, a))[:8]) or "none"
+        raise ConfigError(f"{where}: no string field {' or '.join(map(repr, missing))} (data.question_field is "
+                          f"{q!r}, data.answer_field {a!r}; the row's other fields: {others}): name the row's "
+                          "fields in those settings")
+    fmt = cfg.answer_format
+    if fmt != "custom" and reference_answer(row[a], fmt) is None:
+        raise ConfigError(f"{where}: {a!r} must be {FORMAT_NEEDS[fmt]} (data.answer_format {fmt!r}): choose the "
+                          "format the file's answers are in ('gsm8k', 'boxed', 'plain'), or 'custom' with "
+                          f"score.reward_fn reading them; got {row[a][-80:]!r}")
+    extra = {k: v for k, v in row.items() if k not in (q, a)}
+    return {"question": row[q], "answer": row[a], **({"fields": extra} if extra else {})}
+
+
+def _hub_problems(cfg: DataConfig) -> list[dict]:
     try:
         import datasets
     except ImportError:
         raise ConfigError(
-            f"data.source {name!r} is neither a file nor 'synthetic', and the `datasets` package is not "
+            f"data.source {cfg.source!r} is neither a file nor 'synthetic', and the `datasets` package is not "
             "installed to fetch it from the hub: pip install datasets, or give a local JSONL path") from None
-    config = "main" if name.endswith("gsm8k") else None
-    ds = datasets.load_dataset(name, config, split=split)
-    return [{"question": r["question"], "answer": r["answer"]} for r in ds]
+    config = "main" if cfg.source.endswith("gsm8k") else None
+    ds = datasets.load_dataset(cfg.source, config, split=cfg.split)
+    return [problem(dict(r), cfg, f"{cfg.source} ({cfg.split}) row {i}") for i, r in enumerate(ds)]

@@ -113,6 +113,7 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     from stages.runtime.data import iteration_prompts, synthetic_problems
     from stages.rl.modeling import device_for, load_policy, load_tokenizer
     from stages.generate import sample_rows
+    from stages.rl import prompts
 
     if args.matmul_below is not None:
         from stages.rl import decoding
@@ -125,7 +126,9 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir, args.dtype, device, fused_norms=args.fused_norms).eval()
-    items = iteration_prompts(DataConfig(prompts_per_iteration=args.prompts), synthetic_problems(1000, 4, 0), 0, 0)
+    data = DataConfig(prompts_per_iteration=args.prompts)
+    items = iteration_prompts(data, synthetic_problems(1000, 4, 0), 0, 0)
+    prompts.encode(tokenizer, items, data, model_dir)
     calls, pairs = [], []
     for i in range(args.repeats + 1):  # the first call is the one a stage makes
         torch.manual_seed(i)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["extract_answer", "normalize_number", "is_correct"]
+__all__ = ["extract_answer", "normalize_number", "is_correct", "boxed_text", "reference_answer"]
 
 # GSM8K's own solutions end in "#### N"; models fine-tuned on them copy it.
 _MARKER = "####"
@@ -94,7 +94,34 @@ def is_correct(completion: str, reference: str) -> bool:
         # without int() on huge digit strings (quadratic, and refused past
         # 4300 digits since Python 3.11).
         return extract_answer(completion) == expected
-    return expected_text != "" and _answer_text(completion) == expected_text
+    if expected_text == "":
+        return False
+    # A non-numeric answer ("\frac{1}{2}", "yes"): the completion's final-answer
+    # text, or its last \boxed{} body, compared without whitespace.
+    boxed = boxed_text(completion)
+    return _squeeze(expected_text) in (_squeeze(_answer_text(completion)), _squeeze(boxed or ""))
+
+
+def boxed_text(text: str) -> str | None:
+    """The body of the last complete ``\boxed{...}`` (or the number of a
+    ``\boxed N``) in ``text``, stripped; None if there is none."""
+    span = _last_boxed(text)
+    return None if span is None else span[1].strip()
+
+
+def reference_answer(answer: str, answer_format: str) -> str | None:
+    """The reference that :func:`is_correct` compares with, read from a data
+    row's answer field as ``answer_format`` (data.answer_format) says: "gsm8k"
+    (a worked solution ending in ``#### N``), "boxed" (the last ``\boxed{}``
+    body), "plain" (the field itself). None: the field holds no answer in that
+    format. "custom" answers are read by the user's reward function alone."""
+    if answer_format == "gsm8k":
+        return answer if _MARKER in answer else None
+    if answer_format == "boxed":
+        return boxed_text(answer) or None
+    if answer_format == "plain":
+        return answer.strip() or None
+    raise ValueError(f"answer format {answer_format!r} is not read by syncrl")
 
 
 # --- helpers ---------------------------------------------------------------
@@ -176,9 +203,19 @@ def _last_boxed_number(text: str) -> tuple[bool, str | None]:
     ``\\boxed N``; an unclosed trailing ``\\boxed{`` (truncation) defers to an
     earlier complete one.
     """
+    span = _last_boxed(text)
+    if span is None:
+        return False, None
+    braced, body = span
+    return True, _boxed_content_number(body) if braced else body
+
+
+def _last_boxed(text: str) -> tuple[bool, str] | None:
+    """``(braced, body)`` of the last complete ``\\boxed{body}``, or
+    ``(False, number)`` of a ``\\boxed N``; None if there is neither."""
     first = text.find(_BOXED)
     if first < 0:
-        return False, None
+        return None
     # Match all braces in one pass instead of scanning forward from each
     # \boxed{, which is quadratic on many unclosed ones.
     closing: dict[int, int] = {}
@@ -193,17 +230,17 @@ def _last_boxed_number(text: str) -> tuple[bool, str | None]:
     while True:
         pos = text.rfind(_BOXED, 0, end)
         if pos < 0:
-            return False, None
+            return None
         end = pos
         after = _WHITESPACE.match(text, pos + len(_BOXED)).end()
         if text.startswith("{", after):
             close = closing.get(after)
             if close is not None:
-                return True, _boxed_content_number(text[after + 1 : close])
+                return True, text[after + 1 : close]
         elif not text[after : after + 1].isalpha():  # "\boxedfoo" is another macro
             answer = _number_at(text, after)
             if answer is not None:
-                return True, answer
+                return False, answer
 
 
 def _boxed_content_number(content: str) -> str | None:
@@ -227,6 +264,10 @@ def _answer_text(text: str) -> str:
         text = text[pos + len(_MARKER) :]
     text = text.strip()
     return text.split("\n", 1)[0].strip() if pos >= 0 else text
+
+
+def _squeeze(s: str) -> str:
+    return "".join(s.split())
 
 
 def _strip_prefix(s: str, prefix: str) -> str:
