@@ -262,9 +262,9 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
         problems.append(f"train.durable_every is {cfg.train.durable_every} but train.local_checkpoint_dir is not set: "
                         "without node-local checkpoints every checkpoint is written to the run dir; set "
                         "train.local_checkpoint_dir, or train.durable_every=1")
-    if cfg.train.graph_layers:
+    if cfg.tuning.train_graphs:
         problems += cuda_graph_problems(cfg, stage, path)
-    if cfg.train.grad_norm == "flat":
+    if cfg.tuning.grad_norm == "flat":
         problems += flat_grad_norm_problems(ds, stage, path)
     problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
     return problems
@@ -289,22 +289,22 @@ def cuda_graph_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[
     """A captured layer reads its weights at fixed addresses and runs as one piece."""
     problems = []
     if zero_stage == 3:
-        problems.append(f"train.graph_layers is on but {ds_path} uses ZeRO stage 3, which gathers each layer's weights "
-                        "while it runs: use ZeRO stage 1 or 2, or set train.graph_layers=false")
+        problems.append(f"tuning.train_graphs is on but {ds_path} uses ZeRO stage 3, which gathers each layer's weights "
+                        "while it runs: use ZeRO stage 1 or 2, or set tuning.train_graphs=false")
     if cfg.model.gradient_checkpointing:
-        problems.append("train.graph_layers is on with model.gradient_checkpointing, which reruns each layer's forward "
+        problems.append("tuning.train_graphs is on with model.gradient_checkpointing, which reruns each layer's forward "
                         "in its backward: set one of them to false")
     return problems
 
 
 def flat_grad_norm_problems(ds: dict, zero_stage: int, ds_path: Path) -> list[str]:
-    """train.grad_norm: flat takes the norm inside ZeRO 1-2's step, on the partition held on the device."""
+    """tuning.grad_norm: flat takes the norm inside ZeRO 1-2's step, on the partition held on the device."""
     offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
     if zero_stage in (1, 2) and not offload:
         return []
-    return [f"train.grad_norm is flat, which takes the norm in ZeRO stage 1 or 2's step without optimizer offload; "
+    return [f"tuning.grad_norm is flat, which takes the norm in ZeRO stage 1 or 2's step without optimizer offload; "
             f"{ds_path} has stage {zero_stage}{' with offload_optimizer' if offload else ''}: "
-            "set train.grad_norm=deepspeed"]
+            "set tuning.grad_norm=deepspeed"]
 
 
 def deepspeed_key_problems(ds: dict, cfg: RunConfig) -> list[str]:

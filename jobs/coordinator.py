@@ -47,7 +47,7 @@ class StageFailed(RuntimeError):
 
 
 class CheckpointLost(RuntimeError):
-    """Train of `iteration` marked done, then failed to write its checkpoint (train.deferred_checkpoint)."""
+    """Train of `iteration` marked done, then failed to write its checkpoint (tuning.deferred_checkpoint)."""
 
     def __init__(self, iteration: int, attempt: int, message: str):
         super().__init__(message)
@@ -317,7 +317,7 @@ class Coordinator:
             not self._ranks_without_marker(it, stage, n, inputs, wait=False)
 
     def _join_exiting(self, before: str | None = None) -> None:
-        """Wait for the processes of finished stages still exiting; kill those past retry.exit_grace_s
+        """Wait for the processes of finished stages still exiting; kill those past tuning.exit_grace_s
         (a teardown that hangs holds nothing up). Before `stage` (None: all): a train still writing
         its checkpoint after its marker is joined only before the next train (_deferred_checkpoint_of)."""
         writing = self._writing()
@@ -330,8 +330,8 @@ class Coordinator:
             self._join_exit(it, stage, step)
 
     def _join_exit(self, it: int, stage: str, step) -> None:
-        """Wait at most retry.exit_grace_s for a done stage's processes to exit, then kill them."""
-        grace = self.cfg.retry.exit_grace_s
+        """Wait at most tuning.exit_grace_s for a done stage's processes to exit, then kill them."""
+        grace = self.cfg.tuning.exit_grace_s
         result = step.wait(grace)
         if result.timed_out:
             log.warning("iteration %d %s: rank(s) still running %.0fs after the stage was done were killed",
@@ -348,7 +348,7 @@ class Coordinator:
     def _join_writer(self, it: int) -> None:
         """Wait for train of iteration `it` to publish the checkpoint it writes after its marker (as
         long as an attempt may run: retry.stage_timeout_s, and train's own no-progress watchdog),
-        then for its processes to exit (retry.exit_grace_s). A writer that ended without publishing
+        then for its processes to exit (tuning.exit_grace_s). A writer that ended without publishing
         is remembered for _deferred_checkpoint_of."""
         step = self.exiting.pop((it, "train"))
         t0 = time.time()
@@ -459,7 +459,7 @@ class Coordinator:
             if go.exists() or markers.stage_started(self.paths, it2, nxt):
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1
-            step = self._start(it2, nxt, attempt, after=(go, self.cfg.start_early_wait_s))
+            step = self._start(it2, nxt, attempt, after=(go, self.cfg.tuning.start_early_wait_s))
             self.early[(it2, nxt)] = (step, attempt, go)
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
 
@@ -511,7 +511,7 @@ class Coordinator:
             return {r for r in range(n) if markers.marker_problem(
                 self.paths, markers.read_marker(self.paths, it, stage, r), self.chash, inputs) is not None}
 
-        return policies.until_empty(self.cfg.retry.marker_wait_s)(missing) if wait else missing()
+        return policies.until_empty(self.cfg.tuning.marker_wait_s)(missing) if wait else missing()
 
     def _write_stage_marker(self, it: int, stage: str, inputs: str, start: float, attempt: int) -> None:
         marker = markers.record_stage_done(self.paths, it, stage, self.launcher.ntasks(stage), attempt=attempt,

@@ -82,7 +82,7 @@ def main(argv=None) -> None:
 
         sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, cfg.generate,
                               sample_seed(cfg.seed, args.iteration, rank), cache_dir=paths.vllm_cache(rank),
-                              sleep_mode=True)
+                              sleep_mode=True, enforce_eager=cfg.tuning.vllm_enforce_eager)
         key = secrets.token_bytes(32)
         listener = Listener(("0.0.0.0", 0), authkey=key)
         publish_address(paths, rank, listener.address[1], key, {"iteration": args.iteration,

@@ -3,8 +3,8 @@
 Writes iter_I/generate/rank_K.jsonl: one row per completion with prompt and completion token ids,
 text, and per-token log-probabilities of the sampled tokens under the policy at the sampling
 temperature (the "old" log-probs of the PPO ratio). The compact sampler records them as it draws
-each token, from the same logits (generate.logprobs: sampler, its default); the other samplers, or
-generate.logprobs: recompute, get them from one forward pass over each finished sequence, the pass
+each token, from the same logits (tuning.logprobs: sampler, its default); the other samplers, or
+tuning.logprobs: recompute, get them from one forward pass over each finished sequence, the pass
 train runs (stages/rl/batches.py). With top_p < 1 the sampler draws from a truncated
 distribution; the recorded log-probs are still the policy's, which is what train recomputes.
 
@@ -28,6 +28,7 @@ from stages.rl.batches import completion_logprobs
 from stages.rl.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.rl.vllm_sampler import VllmSampler
 from stages.runtime.engine_link import EngineClient
+from stages.runtime.config import TuningConfig
 from stages.runtime.data import iteration_prompts, load_problems, shard
 from stages.runtime.logs import Progress
 from stages.runtime.markers import write_jsonl_atomic
@@ -58,9 +59,10 @@ def main(ctx: StageContext) -> None:
         sampler = EngineClient(ctx.paths, ctx.rank, ctx.policy_path(), g.engine_timeout_s)
     elif g.backend == "vllm":
         sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g,
-                              sample_seed(cfg.seed, ctx.iteration, ctx.rank), cache_dir=ctx.paths.vllm_cache(ctx.rank))
+                              sample_seed(cfg.seed, ctx.iteration, ctx.rank), cache_dir=ctx.paths.vllm_cache(ctx.rank),
+                              enforce_eager=cfg.tuning.vllm_enforce_eager)
     model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread,
-                        fused_norms=cfg.model.fused_rms_norm, fused_layers=cfg.model.fused_layers).eval()
+                        fused_norms=cfg.tuning.fused_rms_norm, fused_layers=cfg.tuning.fused_layers).eval()
     if spread:
         device = model.device  # where the first layers live: inputs go there
     load_s = time.time() - t0
@@ -72,7 +74,7 @@ def main(ctx: StageContext) -> None:
     torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
 
     t1 = time.time()
-    rows, stats = sample_rows(model, tokenizer, items, g, device, sampler, ctx.rank)
+    rows, stats = sample_rows(model, tokenizer, items, g, device, sampler, ctx.rank, cfg.tuning)
     new_tokens = sum(len(r["completion_ids"]) for r in rows)
     gen_s = time.time() - t1
     for r in rows:
@@ -92,16 +94,18 @@ def sample_seed(seed: int, iteration: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
-def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, rank: int = 0) -> tuple[list, dict]:
+def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, rank: int = 0,
+                tuning: TuningConfig | None = None) -> tuple[list, dict]:
     """Rows for every item (with its "prompt_ids": stages/rl/prompts.encode) x g.attempts samples,
     with the policy's log-probs of the sampled tokens, and figures on how they were sampled (the
-    marker's `sampling`)."""
+    marker's `sampling`); `tuning` None: its defaults."""
+    tuning = tuning or TuningConfig()
     if sampler is not None:
         return sample_with(sampler, model, tokenizer, items, g, device)
     if g.cache == "compact":
         t0 = time.time()
         prompt_ids = unpadded_prompt_ids(tokenizer, items)
-        completions, logprobs, stats = sample_compact(model, tokenizer, prompt_ids, g, device)
+        completions, logprobs, stats = sample_compact(model, tokenizer, prompt_ids, g, device, tuning)
         stats["sample_s"] = time.time() - t0
         rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
         t0 = time.time()
@@ -136,9 +140,10 @@ def sample_with(sampler, model, tokenizer, items: list[dict], g, device) -> tupl
     return rows, stats
 
 
-def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> tuple[list, list | None, dict]:
+def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device,
+                   tuning: TuningConfig) -> tuple[list, list | None, dict]:
     """Completions of each prompt's g.attempts sequences through stages/rl/decoding.py, all at once
-    where they fit, and with generate.logprobs=sampler the log-probs it recorded as it drew them."""
+    where they fit, and with tuning.logprobs=sampler the log-probs it recorded as it drew them."""
     length = decoding.buffer_length(max(len(p) for p in prompt_ids), g.max_new_tokens)
     n_seq = len(prompt_ids) * g.attempts
     rows = min(n_seq, g.batch_size or n_seq)
@@ -147,13 +152,13 @@ def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device) -> 
         raise RuntimeError(f"generate: not even one sequence of {length} positions fits "
                            f"generate.memory_fraction={g.memory_fraction} of the free GPU memory; lower "
                            f"generate.max_new_tokens, or raise generate.memory_fraction")
-    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=g.cuda_graphs, positions=positions)
+    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=tuning.decode_graphs, positions=positions)
     log.info("compact decoding: %d sequences, up to %d at once, rows of up to %d positions "
              "(KV buffer %.2f GiB, %d positions)", n_seq, rows, length, decoder.cache.nbytes() / 2**30, positions)
     params = decoding.SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     generator = torch.Generator(device).manual_seed(call_seed())
-    record = g.logprobs_from_sampler()
+    record = tuning.logprobs_from_sampler(g)
     out = decoder.sample(prompt_ids, g.attempts, params, generator, record_logprobs=record)
     completions, logprobs = out if record else (out, None)
     stats = dataclasses.asdict(decoder.stats)

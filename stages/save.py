@@ -1,6 +1,6 @@
 """save: consolidate this iteration's DeepSpeed checkpoint on CPU into an HF model under models/iter_I.
 
-When train writes its checkpoint after its marker (train.deferred_checkpoint), the export's weights
+When train writes its checkpoint after its marker (tuning.deferred_checkpoint), the export's weights
 file is the policy file train wrote before it (its module's, in the training dtype: the fp32 master
 weights as the optimizer step rounded them), linked in under a second name once its header matches
 the architecture; the next save removes train's name for it.
@@ -86,7 +86,7 @@ def export_and_publish(ctx: StageContext, tag: str) -> tuple[dict, Path]:
 def write_export(ctx: StageContext, tag: str, dtype: str, tmp: Path) -> dict:
     """The weights read (or consolidated), written as an HF model into `tmp`, and read back."""
     t0 = time.time()
-    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
+    with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap):
         state = read_weights(ctx, tag)
     consolidate_s = time.time() - t0
     return {"consolidate_s": consolidate_s, **write_weights(state, ctx.policy_path(), dtype, tmp, ctx.tokenizer_path())}
@@ -282,7 +282,7 @@ def prune_checkpoints(ctx: StageContext) -> list[str]:
 
 
 def prune_policies(ctx: StageContext) -> list[str]:
-    """Train's copies of the policy's weights (train.deferred_checkpoint) of earlier iterations: each
+    """Train's copies of the policy's weights (tuning.deferred_checkpoint) of earlier iterations: each
     is as large as its export. This iteration's stays until the next save (persist and a rerun of
     this save may read train's outputs)."""
     removed = []

@@ -58,7 +58,7 @@ class TrainRun:
     hf_ds_config: object  # transformers holds it weakly while a ZeRO-3 model exists: kept for the stage
     ds_config: dict
     checkpointer: train_checkpoint.Checkpointer
-    norm: grad_norm.FlatGradNorm | None = None  # train.grad_norm: flat
+    norm: grad_norm.FlatGradNorm | None = None  # tuning.grad_norm: flat
 
 
 def set_up(ctx: StageContext) -> TrainRun:
@@ -94,11 +94,11 @@ def set_up(ctx: StageContext) -> TrainRun:
         hf_ds_config = _zero3_init_context(ds_config)
         # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
         model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device,
-                            fused_norms=cfg.model.fused_rms_norm,
-                            fused_layers=cfg.model.fused_layers)
+                            fused_norms=cfg.tuning.fused_rms_norm,
+                            fused_layers=cfg.tuning.fused_layers)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        if t.remove_padding:
+        if cfg.tuning.remove_padding:
             for m in (model, ref):
                 if m is not None:
                     packing.use_packed_attention(m)
@@ -222,7 +222,7 @@ def rehearse_step(ctx: StageContext, config, ds_config: dict) -> None:
         log.info("no rehearsal of a micro-step before the turn: %s", skip)
         return
     try:
-        seconds = rehearsal.rehearse(config, DTYPES[cfg.model.dtype], cfg.model, cfg.train, cfg.generate.temperature,
+        seconds = rehearsal.rehearse(config, DTYPES[cfg.model.dtype], cfg.tuning, cfg.train, cfg.generate.temperature,
                                      device)
     except Exception as e:  # noqa: BLE001 (any failure here only costs the first micro-batch its loads)
         log.warning("rehearsing a micro-step before the turn failed (%s: %s); the first micro-batch loads its "
@@ -252,8 +252,8 @@ def compile_models(engine, ref, backend: str, stage: int):
 
 def load_reference(ctx: StageContext, device):
     return load_policy(ctx.base_model_path(), ctx.cfg.model.dtype, device,
-                       fused_norms=ctx.cfg.model.fused_rms_norm,
-                       fused_layers=ctx.cfg.model.fused_layers).eval().requires_grad_(False)
+                       fused_norms=ctx.cfg.tuning.fused_rms_norm,
+                       fused_layers=ctx.cfg.tuning.fused_layers).eval().requires_grad_(False)
 
 
 def read_train_set(ctx: StageContext) -> list[dict]:
@@ -276,7 +276,7 @@ def deepspeed_config(ctx: StageContext, warn: bool = True) -> dict:
         params = ds["optimizer"].setdefault("params", {})
         params["lr"] = t.lr
         params["weight_decay"] = t.weight_decay
-    if t.grad_norm == "flat":
+    if ctx.cfg.tuning.grad_norm == "flat":
         ds = grad_norm.deepspeed_settings(ds)
     zero = ds.get("zero_optimization", {})
     if ctx.world_size == 1 and zero.get("stage") in (1, 2) and zero.get("overlap_comm"):
@@ -289,9 +289,9 @@ def deepspeed_config(ctx: StageContext, warn: bool = True) -> dict:
 
 
 def flat_grad_norm(ctx: StageContext, engine) -> grad_norm.FlatGradNorm | None:
-    """With train.grad_norm: flat, the norm and clipping that replace DeepSpeed's in its step."""
+    """With tuning.grad_norm: flat, the norm and clipping that replace DeepSpeed's in its step."""
     t = ctx.cfg.train
-    return grad_norm.FlatGradNorm(engine, t.max_grad_norm) if t.grad_norm == "flat" else None
+    return grad_norm.FlatGradNorm(engine, t.max_grad_norm) if ctx.cfg.tuning.grad_norm == "flat" else None
 
 
 def _skip_cpu_inference_op(deepspeed) -> None:
@@ -339,7 +339,7 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
         pending, step_tokens = [], 0
         for i, micro in enumerate(step.micro_batches):
             t0 = time.perf_counter()
-            batch = packing.pack(micro, device, fixed) if t.remove_padding else collate(micro, device)
+            batch = packing.pack(micro, device, fixed) if ctx.cfg.tuning.remove_padding else collate(micro, device)
             if step.normalizer is not None:
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
@@ -377,16 +377,16 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
 
 
 def check_graph_device(ctx: StageContext, device) -> None:
-    """train.graph_layers needs a GPU on every rank: said before anything is loaded."""
-    if ctx.cfg.train.graph_layers and device.type != "cuda":
-        raise ConfigError(f"train.graph_layers is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
-                          "GPU; set train.graph_layers=false")
+    """tuning.train_graphs needs a GPU on every rank: said before anything is loaded."""
+    if ctx.cfg.tuning.train_graphs and device.type != "cuda":
+        raise ConfigError(f"tuning.train_graphs is on, but rank {ctx.rank} runs on {device}: CUDA graphs need a "
+                          "GPU; set tuning.train_graphs=false")
 
 
 def graph_layers(ctx: StageContext, engine, steps: list, device, totals: dict) -> packing.PackedShape | None:
-    """With train.graph_layers, capture the policy's layers as CUDA graphs at the one packed shape all
+    """With tuning.train_graphs, capture the policy's layers as CUDA graphs at the one packed shape all
     of this rank's micro-batches fit (stages/rl/cuda_graphs.py); returns that shape (None: no graphs)."""
-    if not ctx.cfg.train.graph_layers:
+    if not ctx.cfg.tuning.train_graphs:
         return None
     t0 = time.time()
     micro_batches = [micro for step in steps for micro in step.micro_batches]

@@ -54,9 +54,9 @@ def tiny_run(tmp_path_factory):
     return shared_run(tmp_path_factory, "tiny_run", TINY_RUN)
 
 
-# TINY_RUN with its checkpoint written before train's marker (train.deferred_checkpoint=false) and
+# TINY_RUN with its checkpoint written before train's marker (tuning.deferred_checkpoint=false) and
 # two checkpoints kept, so that redoing iteration 1's train resumes iteration 0's optimizer state.
-PLAIN_CHECKPOINT_RUN = [*TINY_RUN, "retry.backoff_s=0.5", "train.deferred_checkpoint=false", "save.keep_checkpoints=2"]
+PLAIN_CHECKPOINT_RUN = [*TINY_RUN, "retry.backoff_s=0.5", "tuning.deferred_checkpoint=false", "save.keep_checkpoints=2"]
 
 
 @pytest.fixture(scope="session")

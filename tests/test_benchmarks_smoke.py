@@ -59,7 +59,7 @@ def test_the_train_step_benchmark_names_where_the_host_time_goes(tmp_path):
     assert proc.stdout.count("s/step") == 3
     assert proc.stderr.count("HOST PROFILE wall") == 6, proc.stderr[-3000:]
     # nonorm: the step computes no gradient norm (DeepSpeed's per-parameter one is what it costs);
-    # flatnorm: train.grad_norm=flat's.
+    # flatnorm: tuning.grad_norm=flat's.
     lines = [line for line in proc.stdout.splitlines() if "s/step" in line]
     assert re.search(r"grad norm \d", lines[0]) and lines[1].endswith("grad norm not computed"), lines
     assert re.search(r"grad norm \d", lines[2]), lines
@@ -87,7 +87,7 @@ def test_a_model_built_in_place_is_the_same_model_partitioned(tmp_path, preset_s
 
 
 def test_generate_benchmark_runs_every_mode(tmp_path):
-    modes = ["compact", "compact:cuda_graphs=false", "static:batch_size=4", "dynamic"]
+    modes = ["compact", "compact:decode_graphs=false", "static:batch_size=4", "dynamic"]
     out = run(["tests/benchmarks/generate_cache.py", "--preset", "tiny-llama", "--dtype", "float32",
                "--prompts", "2", "--attempts", "2", "--new-tokens", "4", "--repeats", "1", "--json",
                str(tmp_path / "gen.json"), "--modes", ",".join(modes)])

@@ -86,12 +86,30 @@ def test_hash_leaves_out_values_at_their_default():
 
 
 def test_sampler_logprobs_need_the_compact_sampler():
-    from stages.runtime.config import ConfigError, GenerateConfig
+    from stages.runtime.config import ConfigError, GenerateConfig, TuningConfig
 
-    assert GenerateConfig().logprobs_from_sampler()
-    assert not GenerateConfig(cache="static").logprobs_from_sampler()
-    assert not GenerateConfig(logprobs="recompute").logprobs_from_sampler()
-    with pytest.raises(ConfigError, match="generate.logprobs=sampler needs generate.cache=compact"):
-        GenerateConfig(cache="dynamic", logprobs="sampler")
-    with pytest.raises(ConfigError, match="generate.logprobs must be one of"):
-        GenerateConfig(logprobs="vllm")
+    assert TuningConfig().logprobs_from_sampler(GenerateConfig())
+    assert not TuningConfig().logprobs_from_sampler(GenerateConfig(cache="static"))
+    assert not TuningConfig(logprobs="recompute").logprobs_from_sampler(GenerateConfig())
+    with pytest.raises(ConfigError, match="tuning.logprobs=sampler needs generate.cache=compact"):
+        load_config(None, ["generate.cache=dynamic", "tuning.logprobs=sampler"])
+    with pytest.raises(ConfigError, match="tuning.logprobs must be one of"):
+        TuningConfig(logprobs="vllm")
+
+
+def test_a_key_that_moved_to_tuning_is_named_with_its_new_place(tmp_path):
+    from stages.runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'train.remove_padding' is now 'tuning.remove_padding'"):
+        load_config(None, ["train.remove_padding=false"])
+    old = tmp_path / "old.yaml"
+    old.write_text("generate:\n  cuda_graphs: false\n")
+    with pytest.raises(ConfigError, match=r"old.yaml: 'generate.cuda_graphs' is now 'tuning.decode_graphs'"):
+        load_config(old)
+    with pytest.raises(ConfigError, match="'start_early_wait_s' is now 'tuning.start_early_wait_s'"):
+        load_config(None, ["start_early_wait_s=5"])
+    # The waits change how a run is coordinated, not what it computes: a resume may change them.
+    a, b = load_config(None, ["run_dir=/r"]), load_config(None, ["run_dir=/r", "tuning.exit_grace_s=5",
+                                                                 "tuning.marker_wait_s=1"])
+    assert config_hash(a) == config_hash(b) and config_diff(to_dict(a), to_dict(b)) == []
+    assert config_hash(a) != config_hash(load_config(None, ["run_dir=/r", "tuning.remove_padding=false"]))

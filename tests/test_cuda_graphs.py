@@ -1,4 +1,4 @@
-"""train.graph_layers: each decoder layer's forward and backward replayed as a CUDA graph
+"""tuning.train_graphs: each decoder layer's forward and backward replayed as a CUDA graph
 (stages/rl/cuda_graphs.py).
 
 Capturing needs a GPU (tests/test_gpu.py runs the captured layers against the eager ones through
@@ -136,7 +136,7 @@ def test_weight_gradients_leave_the_replay_as_copies():
 def test_capture_needs_a_gpu(model):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; this rank runs on cpu"):
         cuda_graphs.capture_layers(model, (64, 3), torch.device("cpu"))
-    with pytest.raises(ValueError, match="train.graph_layers=false"):
+    with pytest.raises(ValueError, match="tuning.train_graphs=false"):
         cuda_graphs.decoder_layers(torch.nn.Linear(2, 2))
 
 
@@ -147,16 +147,16 @@ def test_deepspeeds_step_keeps_every_parameter_where_a_graph_reads_it(tmp_path, 
 
 
 def test_settings_that_cannot_go_with_graphs_are_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="train.remove_padding=true, or train.graph_layers=false"):
-        load_config("configs/local_tiny.yaml", ["train.graph_layers=true", "train.remove_padding=false"])
-    with pytest.raises(ConfigError, match="train.compile=eager, or train.graph_layers=false"):
-        load_config("configs/local_tiny.yaml", ["train.graph_layers=true", "train.compile=inductor"])
-    cfg = load_config("configs/local_tiny.yaml", ["train.graph_layers=true", "model.gradient_checkpointing=true",
+    with pytest.raises(ConfigError, match="tuning.remove_padding=true, or tuning.train_graphs=false"):
+        load_config("configs/local_tiny.yaml", ["tuning.train_graphs=true", "tuning.remove_padding=false"])
+    with pytest.raises(ConfigError, match="train.compile=eager, or tuning.train_graphs=false"):
+        load_config("configs/local_tiny.yaml", ["tuning.train_graphs=true", "train.compile=inductor"])
+    cfg = load_config("configs/local_tiny.yaml", ["tuning.train_graphs=true", "model.gradient_checkpointing=true",
                                                   "train.deepspeed_config=configs/ds_zero3_cpu.json"])
     problems = "\n".join(check(cfg, "local"))
     assert "uses ZeRO stage 3, which gathers each layer's weights" in problems
     assert "model.gradient_checkpointing" in problems and "set one of them to false" in problems
-    assert check(load_config("configs/local_tiny.yaml", ["train.graph_layers=true"]), "local") == []
+    assert check(load_config("configs/local_tiny.yaml", ["tuning.train_graphs=true"]), "local") == []
 
 
 def test_train_on_a_rank_without_a_gpu_names_the_rank_and_the_fix():
@@ -164,9 +164,9 @@ def test_train_on_a_rank_without_a_gpu_names_the_rank_and_the_fix():
 
     from stages.train import check_graph_device, graph_layers
 
-    ctx = SimpleNamespace(cfg=load_config("configs/local_tiny.yaml", ["train.graph_layers=true"]), rank=1)
-    with pytest.raises(ConfigError, match="rank 1 runs on cpu: CUDA graphs need a GPU; set train.graph_layers=false"):
+    ctx = SimpleNamespace(cfg=load_config("configs/local_tiny.yaml", ["tuning.train_graphs=true"]), rank=1)
+    with pytest.raises(ConfigError, match="rank 1 runs on cpu: CUDA graphs need a GPU; set tuning.train_graphs=false"):
         check_graph_device(ctx, torch.device("cpu"))
-    ctx.cfg.train.graph_layers = False
+    ctx.cfg.tuning.train_graphs = False
     check_graph_device(ctx, torch.device("cpu"))
     assert graph_layers(ctx, None, [], torch.device("cpu"), {}) is None

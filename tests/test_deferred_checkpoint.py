@@ -1,4 +1,4 @@
-"""train.deferred_checkpoint (the default): train marks done once its checkpoint is in host memory
+"""tuning.deferred_checkpoint (the default): train marks done once its checkpoint is in host memory
 and the policy's weights are written for save, then writes the checkpoint beside save and the next
 iteration's generate, score and gather; the next train waits for it, and a write that fails redoes
 that train. Real DeepSpeed on CPU, two ranks, the local launcher; a real full disk (tmpfs)."""

@@ -60,7 +60,7 @@ def test_two_iterations_then_everything_skipped(tiny_run):
     assert "iteration 1 generate started early (attempt 1): loading while generate runs" in proc.stderr
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())
     assert train["world_size"] == 2 and train["steps"] >= 1
-    # train.deferred_checkpoint (the default): train marked done, then wrote its checkpoint; save
+    # tuning.deferred_checkpoint (the default): train marked done, then wrote its checkpoint; save
     # exported from the policy file train wrote before its marker (iteration 1's save removed iteration
     # 0's). save.keep_checkpoints=1: once iteration 1's checkpoint was there, train removed iteration 0's.
     assert train["deferred_checkpoint"]["id"] == json.loads(
@@ -183,7 +183,7 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer_and_generate_spreads_o
     proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL,
                   "train.deepspeed_config=configs/ds_zero3_cpu.json", "train.kl_coef=0.1", "gather.advantage=rloo",
                   "train.compile=aot_eager",  # dynamo traces through ZeRO-3's hooks; no kernels built on CPU
-                  "train.max_tokens_per_micro_batch=40",  # each rank's 16 rows of ~6 tokens: 3 micro-batches
+                  "tuning.max_tokens_per_micro_batch=40",  # each rank's 16 rows of ~6 tokens: 3 micro-batches
                   "generate.gpus_per_process=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for it in (run / "iter_00000", run / "iter_00001"):
@@ -202,7 +202,7 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer_and_generate_spreads_o
     assert any(s["kl"] > 0 for s in steps)  # the policy moved away from the reference in iteration 0
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00001")
-    # The checkpoint went to disk after train's marker (train.deferred_checkpoint, the default): no rank
+    # The checkpoint went to disk after train's marker (tuning.deferred_checkpoint, the default): no rank
     # holds ZeRO-3's weights whole, so train gathered them from the shards into the file save linked
     # in, and that export is the checkpoint's fp32 master weights.
     train = json.loads((run / "iter_00001" / "markers" / "train.done").read_text())

@@ -348,7 +348,7 @@ def test_disk_full_during_train_is_recorded_as_a_failure(small_disk):
     run_dir = small_disk(1200) / "run"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run_dir}",
-                           "iterations=1", *SMALL_RUN, "train.deferred_checkpoint=false", "--launcher", "local"],
+                           "iterations=1", *SMALL_RUN, "tuning.deferred_checkpoint=false", "--launcher", "local"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     detect = time.time() - t0
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -395,7 +395,7 @@ def test_disk_full_during_train_on_two_nodes_is_recorded_as_a_failure(slurm_clus
     before the marker: written after it, whether the disk fills before the marker (the policy file) or
     after it depends on a few bytes of logs (that case: test_deferred_checkpoint.py)."""
     run_dir = small_disk(1200) / "run"
-    log, detect = job_that_fails(tmp_path, run_dir, "retry.attempts=1", "train.deferred_checkpoint=false")
+    log, detect = job_that_fails(tmp_path, run_dir, "retry.attempts=1", "tuning.deferred_checkpoint=false")
     assert "iteration 0 train attempt" in log and "failed on rank(s)" in log, log[-3000:]
     assert "Traceback (most recent call last)" not in log.split("coordinator")[-1], log[-3000:]
     status = run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], timeout=30).stdout

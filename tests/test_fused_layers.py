@@ -1,4 +1,4 @@
-"""The fused attention and MLP (model.fused_layers, stages/rl/fused_layers.py) compute what HF's do.
+"""The fused attention and MLP (tuning.fused_layers, stages/rl/fused_layers.py) compute what HF's do.
 
 On the host the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, numpy underneath),
 the same kernel code the GPU compiles; in float32 the only differences are the order of float32
@@ -172,7 +172,7 @@ def test_a_head_size_that_is_not_a_power_of_two(kernels_on):
     want = torch.autograd.grad(sum((x * w).sum() for x, w in zip((wq.transpose(1, 2), wk.transpose(1, 2),
                                                                    hv.view(2, 5, 1, 24)), weights)), qkv)[0]
     assert torch.allclose(got, want, atol=1e-5)
-    with pytest.raises(ValueError, match="head size is 13: set model.fused_layers=false"):
+    with pytest.raises(ValueError, match="head size is 13: set tuning.fused_layers=false"):
         fused_layers.RotaryQKV.apply(torch.randn(1, 3, 3 * 13), sin[:1, :3, :13], sin[:1, :3, :13], 1, 1, 13)
 
 
@@ -187,7 +187,7 @@ def test_deepspeed_keeps_the_joined_weights_back_to_back(tmp_path):
     model_dir = create_base_model(tmp_path / "base", "tiny-llama", seed=0)
     ds = Path(__file__).resolve().parents[1] / "configs" / "ds_zero2_cpu.json"
     got = run_workers("tests.workers.flat_layout", tmp_path, model_dir, 2,
-                      [f"train.deepspeed_config={ds}", "train.remove_padding=true"], "layout")
+                      [f"train.deepspeed_config={ds}", "tuning.remove_padding=true"], "layout")
     assert got["before"] == got["after"] == [(True, True)] * len(got["before"]) and got["before"]
 
 

@@ -11,7 +11,7 @@ from stages.rl import prompts
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.rl.tiny_model import create_base_model
-from stages.runtime.config import DataConfig, GenerateConfig
+from stages.runtime.config import DataConfig, GenerateConfig, TuningConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +24,12 @@ ITEMS = [{"prompt_id": f"0-{i}", "problem_index": i, "question": q, "answer": f"
          for i, (q, a) in enumerate([("1+2=", 3), ("12+30=", 42), ("4+4=", 8)])]
 
 
-def sample(policy, seed, g):
+def sample(policy, seed, g, logprobs="auto"):
     model, tok = policy
     torch.manual_seed(seed)
     items = [dict(it) for it in ITEMS]
     prompts.encode(tok, items, DataConfig(), "the tiny preset's")  # as generate does, before sampling
-    return sample_rows(model, tok, items, g, torch.device("cpu"))[0]  # rows; the stage's own call
+    return sample_rows(model, tok, items, g, torch.device("cpu"), tuning=TuningConfig(logprobs=logprobs))[0]
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "compact"])
@@ -51,8 +51,8 @@ def test_sampling_is_deterministic_per_seed(policy, cache):
 ])
 def test_train_recomputes_the_sampling_logprobs(policy, temperature, cache, logprobs):
     model, tok = policy
-    g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache, logprobs=logprobs)
-    rows = sample(policy, 1, g)
+    g = GenerateConfig(attempts=3, max_new_tokens=6, temperature=temperature, cache=cache)
+    rows = sample(policy, 1, g, logprobs)
     for r in rows:
         r["advantage"] = 1.0
         assert r["prompt_ids"] == tok(r["prompt"], add_special_tokens=False)["input_ids"]  # padding stripped
@@ -73,7 +73,7 @@ def test_completion_logprobs_do_not_depend_on_how_rows_are_batched(policy, monke
     import stages.rl.batches as batches
 
     model, _ = policy
-    rows = sample(policy, 2, GenerateConfig(attempts=3, max_new_tokens=6, logprobs="recompute"))
+    rows = sample(policy, 2, GenerateConfig(attempts=3, max_new_tokens=6), "recompute")
     whole = batches.completion_logprobs(model, rows, 1.0, torch.device("cpu"))
     widest = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
     monkeypatch.setattr(batches, "LOGIT_BUDGET", 2 * widest * model.config.vocab_size)  # 1-2 rows per pass

@@ -117,7 +117,7 @@ def test_two_iterations_with_the_real_vllm_engine(tmp_path, persistent):
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
-    # train.remove_padding on CUDA runs torch's variable-length flash attention (CPU: one SDPA call
+    # tuning.remove_padding on CUDA runs torch's variable-length flash attention (CPU: one SDPA call
     # per row, tests/test_packing.py): bf16, grouped-query attention, rows of many lengths.
     import torch
 
@@ -146,7 +146,7 @@ def test_packed_rows_match_padded_rows_with_the_variable_length_kernel():
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 @pytest.mark.parametrize("fused", [False, True], ids=["hf-layers", "fused-layers"])
 def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights(fused):
-    # train.graph_layers (stages/rl/cuda_graphs.py): micro-batches of other rows and lengths, all
+    # tuning.train_graphs (stages/rl/cuda_graphs.py): micro-batches of other rows and lengths, all
     # packed to one shape, through captured layers and through the eager ones, with the weights
     # changed in place between steps (as DeepSpeed's optimizer step changes them). The same kernels
     # on the same shapes: the same results; unpadded, within bf16's reach.
@@ -160,7 +160,7 @@ def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights
 
     eager = small_llama(layers=3)
     packing.use_packed_attention(eager)
-    if fused:  # model.fused_layers: its Triton kernels captured too
+    if fused:  # tuning.fused_layers: its Triton kernels captured too
         from stages.rl.fused_layers import fuse_layers
 
         assert fuse_layers(eager) == 6
@@ -204,7 +204,7 @@ def test_two_iterations_with_captured_layers(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
                            "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
-                           "train.graph_layers=true", "--launcher", "local"],
+                           "tuning.train_graphs=true", "--launcher", "local"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for it in (0, 1):
@@ -252,7 +252,7 @@ def test_compiled_layers_take_packed_batches_of_any_length_without_recompiling()
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 def test_a_deferred_checkpoint_snapshot_copies_every_byte():
-    # train.deferred_checkpoint's copy to host memory goes through two page-locked buffers in chunks
+    # tuning.deferred_checkpoint's copy to host memory goes through two page-locked buffers in chunks
     # (CPU tensors are kept as they are, so only a GPU exercises it): tensors larger and smaller than a
     # chunk, views, a tied pair, an empty and a 0-dim tensor, several dtypes.
     import torch

@@ -1,4 +1,4 @@
-"""train.grad_norm: flat (stages/rl/grad_norm.py) against DeepSpeed's own norm and clipping, in
+"""tuning.grad_norm: flat (stages/rl/grad_norm.py) against DeepSpeed's own norm and clipping, in
 train's real DeepSpeed engine (ZeRO 1 and 2, gloo on CPU, 1 and 2 ranks): the same gradient norms,
 and, with clipping that bites, the same weights after every step."""
 
@@ -29,8 +29,8 @@ def test_the_flat_norm_clips_as_deepspeed_does(tmp_path, model_dir, world, zero)
     # the second step on (the control below: the same steps unclipped end elsewhere).
     common = [f"train.deepspeed_config={zero}", "train.micro_batch_size=4", "train.lr=1e-2",
               "train.max_grad_norm=0.05"]
-    want = clipped_steps(tmp_path, model_dir, world, common + ["train.grad_norm=deepspeed"], "deepspeed")
-    got = clipped_steps(tmp_path, model_dir, world, common + ["train.grad_norm=flat"], "flat")
+    want = clipped_steps(tmp_path, model_dir, world, common + ["tuning.grad_norm=deepspeed"], "deepspeed")
+    got = clipped_steps(tmp_path, model_dir, world, common + ["tuning.grad_norm=flat"], "flat")
     assert len(got["records"]) == len(want["records"]) >= 3
     for mine, theirs in zip(got["records"], want["records"]):
         assert theirs["grad_norm"] > 0.05  # clipped
@@ -40,19 +40,19 @@ def test_the_flat_norm_clips_as_deepspeed_does(tmp_path, model_dir, world, zero)
         assert torch.allclose(got["weights"][name], w, rtol=0, atol=1e-5), name
     if world == 2:
         unclipped = clipped_steps(tmp_path, model_dir, world, common[:-1] + ["train.max_grad_norm=0",
-                                                                             "train.grad_norm=flat"], "unclipped")
+                                                                             "tuning.grad_norm=flat"], "unclipped")
         assert max((unclipped["weights"][n] - w).abs().max().item() for n, w in want["weights"].items()) > 1e-3
 
 
 def test_the_flat_norm_is_refused_where_it_cannot_run():
-    with pytest.raises(ConfigError, match="train.grad_norm must be one of"):
-        load_config("configs/local_tiny.yaml", ["train.grad_norm=fast"])
+    with pytest.raises(ConfigError, match="tuning.grad_norm must be one of"):
+        load_config("configs/local_tiny.yaml", ["tuning.grad_norm=fast"])
     for ds, says in (("configs/ds_zero3_cpu.json", "has stage 3"),
                      ("configs/ds_zero2_cpuadam.json", "has stage 2 with offload_optimizer")):
-        cfg = load_config("configs/local_tiny.yaml", ["train.grad_norm=flat", f"train.deepspeed_config={ds}"])
+        cfg = load_config("configs/local_tiny.yaml", ["tuning.grad_norm=flat", f"train.deepspeed_config={ds}"])
         problems = "\n".join(check(cfg, "local"))
-        assert says in problems and "set train.grad_norm=deepspeed" in problems, problems
-    assert check(load_config("configs/local_tiny.yaml", ["train.grad_norm=flat"]), "local") == []
+        assert says in problems and "set tuning.grad_norm=deepspeed" in problems, problems
+    assert check(load_config("configs/local_tiny.yaml", ["tuning.grad_norm=flat"]), "local") == []
 
 
 def test_the_flat_norm_runs_only_on_the_deepspeed_releases_it_was_checked_against(monkeypatch):
@@ -67,5 +67,5 @@ def test_the_flat_norm_runs_only_on_the_deepspeed_releases_it_was_checked_agains
     assert grad_norm.checked_release("0.19.8") and not grad_norm.checked_release("0.20.0rc1")
     assert not grad_norm.checked_release("0.14.4")
     monkeypatch.setattr(deepspeed, "__version__", "0.21.0")
-    with pytest.raises(ValueError, match="DeepSpeed 0.21.0: set train.grad_norm=deepspeed"):
+    with pytest.raises(ValueError, match="DeepSpeed 0.21.0: set tuning.grad_norm=deepspeed"):
         grad_norm.FlatGradNorm(object(), 1.0)

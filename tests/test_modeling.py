@@ -1,4 +1,4 @@
-"""The fused RMSNorm (model.fused_rms_norm, stages/rl/modeling.py) computes what HF's forward does.
+"""The fused RMSNorm (tuning.fused_rms_norm, stages/rl/modeling.py) computes what HF's forward does.
 
 On CPU in float32 F.rms_norm runs the same arithmetic, so logits and gradients are equal; on a GPU
 (`pytest -m gpu`) in bf16 the fused kernel rounds once where HF rounds twice, so they agree within

@@ -1,4 +1,4 @@
-"""train.remove_padding: a micro-batch's rows packed into one sequence (stages/rl/packing.py).
+"""tuning.remove_padding: a micro-batch's rows packed into one sequence (stages/rl/packing.py).
 
 Packed rows must give what right-padded rows give: the same log-probs at every loss position, and
 the same loss and gradient, in the model alone (a real transformers Llama built from a config, with
@@ -121,7 +121,7 @@ def test_packed_rows_give_the_padded_rows_log_probs_loss_and_gradient(gqa_model)
 
 @pytest.mark.slow
 def test_rows_packed_to_a_fixed_shape_give_the_same_loss_and_gradient(gqa_model):
-    # What train.graph_layers runs: the rows, then padding segments, one token each but the last.
+    # What tuning.train_graphs runs: the rows, then padding segments, one token each but the last.
     rows = train_rows(6, seed=5)
     want_logp, want_loss, want_grads = loss_and_grads(gqa_model, packing.pack(rows, torch.device("cpu")))
     batch = packing.pack(rows, torch.device("cpu"), (packing.fixed_shape([rows])[0] + 64, 10))
@@ -137,10 +137,10 @@ def test_packed_step_gradient_equals_the_padded_one_in_deepspeed(tmp_path, model
     ds = ["train.deepspeed_config=configs/ds_zero2_cpu.json"]
     # The whole 12-row step in one padded micro-batch, against the same rows packed on 2 ranks and
     # grouped by a token budget (tests/test_train_batching.py checks the groupings of padded rows).
-    padded = step_gradients(tmp_path, model_dir, 1, ds + ["train.micro_batch_size=12", "train.remove_padding=false"],
+    padded = step_gradients(tmp_path, model_dir, 1, ds + ["train.micro_batch_size=12", "tuning.remove_padding=false"],
                             "padded")
-    grouped = step_gradients(tmp_path, model_dir, 2, ds + ["train.micro_batch_size=6", "train.remove_padding=true",
-                                                          "train.max_tokens_per_micro_batch=60"], "grouped")
+    grouped = step_gradients(tmp_path, model_dir, 2, ds + ["train.micro_batch_size=6", "tuning.remove_padding=true",
+                                                          "tuning.max_tokens_per_micro_batch=60"], "grouped")
     assert len(grouped["micro_batches"]) >= 2
     for name, g in padded["grads"].items():
         assert torch.allclose(grouped["grads"][name], g, rtol=1e-4, atol=1e-7), name

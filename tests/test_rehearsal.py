@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stages.rl import fused_layers, rehearsal
-from stages.runtime.config import ModelConfig, TrainConfig
+from stages.runtime.config import TrainConfig, TuningConfig
 
 pytest.importorskip("triton")
 
@@ -34,8 +34,8 @@ def config(kind: str = "llama"):
     return Qwen2Config(vocab_size=len(build_tokenizer()), **dims)
 
 
-@pytest.mark.parametrize("settings", [{}, {"remove_padding": False, "kl_coef": 0.1}], ids=["packed", "padded-kl"])
-def test_the_rehearsal_runs_the_micro_steps_pieces(interpreted, monkeypatch, settings):
+@pytest.mark.parametrize("packed,kl", [(True, 0.0), (False, 0.1)], ids=["packed", "padded-kl"])
+def test_the_rehearsal_runs_the_micro_steps_pieces(interpreted, monkeypatch, packed, kl):
     ran = []
     for name in ("RotaryQKV", "SwiGLU"):
         fn = getattr(fused_layers, name).apply
@@ -44,7 +44,8 @@ def test_the_rehearsal_runs_the_micro_steps_pieces(interpreted, monkeypatch, set
     original = torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a: steps.append(self) or original(self, *a))
     before = torch.random.get_rng_state()
-    seconds = rehearsal.rehearse(config(), torch.float32, ModelConfig(), TrainConfig(**settings), 1.0, "cpu")
+    seconds = rehearsal.rehearse(config(), torch.float32, TuningConfig(remove_padding=packed), TrainConfig(kl_coef=kl),
+                                 1.0, "cpu")
     assert seconds > 0
     assert torch.equal(torch.random.get_rng_state(), before)  # train's own draws are not moved
     assert ran.count("RotaryQKV") == 1 and ran.count("SwiGLU") == 1  # one layer, fused
@@ -111,7 +112,7 @@ def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
     torch.zeros(1, device=device)  # the allocator's statistics exist once it has served the device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    rehearsal.rehearse(cfg, torch.bfloat16, ModelConfig(), TrainConfig(), 1.0, device)
+    rehearsal.rehearse(cfg, torch.bfloat16, TuningConfig(), TrainConfig(), 1.0, device)
     peak = torch.cuda.max_memory_allocated(device)
     total = torch.cuda.get_device_properties(device).total_memory
     assert peak <= rehearsal.GPU_SHARE * total

@@ -1,5 +1,5 @@
 """save's two ways to make an export: the weights written through save_pretrained and read back,
-or (train.deferred_checkpoint) the policy file train wrote linked in, its safetensors header checked
+or (tuning.deferred_checkpoint) the policy file train wrote linked in, its safetensors header checked
 against the architecture. Both must give the same model directory."""
 
 import json

@@ -35,14 +35,14 @@ def test_exit_now_keeps_the_exit_code_and_flushes_python_logging_and_c_output(tm
 def test_a_rank_that_hangs_in_its_exit_after_its_marker_holds_nothing_up(tmp_path):
     # tests/slow_exit makes train's rank 1 hang in its exit once its marker is written, in both
     # iterations: the stage is done by its markers, save goes ahead beside it, and the rank is
-    # killed once the next stage on the GPUs is due and retry.exit_grace_s has passed.
+    # killed once the next stage on the GPUs is due and tuning.exit_grace_s has passed.
     import json
 
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_exit"), str(ROOT)]),
                SYNCRL_TEST_SLOW_EXIT="train:1")
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run}",
-                           "iterations=2", "data.prompts_per_iteration=8", "retry.exit_grace_s=4", "--launcher",
+                           "iterations=2", "data.prompts_per_iteration=8", "tuning.exit_grace_s=4", "--launcher",
                            "local"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for it in (0, 1):

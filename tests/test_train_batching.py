@@ -1,4 +1,4 @@
-"""train.max_tokens_per_micro_batch: rows grouped by length into micro-batches within a token budget.
+"""tuning.max_tokens_per_micro_batch: rows grouped by length into micro-batches within a token budget.
 
 The gradient of an optimizer step must not depend on how its rows are grouped: with the budget on,
 on 1 or 2 ranks and for any budget, it equals the gradient of today's fixed micro-batches when
@@ -66,7 +66,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["configs/ds_zero2_cpu.json", "configs/ds_zero3_cpu.json"])
 def test_step_gradient_does_not_depend_on_grouping(tmp_path, model_dir, zero):
-    ds = [f"train.deepspeed_config={zero}", "train.remove_padding=false"]  # padded rows: tests/test_packing.py packs
+    ds = [f"train.deepspeed_config={zero}", "tuning.remove_padding=false"]  # padded rows: tests/test_packing.py packs
     # Today's fixed micro-batches, the whole 12-row step in one: the step's token mean.
     whole = step_gradients(tmp_path, model_dir, 1, ds + ["train.micro_batch_size=12"], "whole")
     assert whole["micro_batches"] == [12]
@@ -76,9 +76,9 @@ def test_step_gradient_does_not_depend_on_grouping(tmp_path, model_dir, zero):
     # engine left behind, and the two that must equal the whole step after it.
     two_ranks = run_workers_in_turn("tests.workers.step_gradients", tmp_path, model_dir, 2, {
         "fixed": ds + ["train.micro_batch_size=6"],
-        "split": ds + ["train.micro_batch_size=6", "train.max_tokens_per_micro_batch=60"],
+        "split": ds + ["train.micro_batch_size=6", "tuning.max_tokens_per_micro_batch=60"],
         "finer": ds + ["train.micro_batch_size=3", "train.gradient_accumulation_steps=2",
-                       "train.max_tokens_per_micro_batch=25"]})
+                       "tuning.max_tokens_per_micro_batch=25"]})
     split, finer, fixed = two_ranks["split"], two_ranks["finer"], two_ranks["fixed"]
     assert len(split["micro_batches"]) >= 2 and len(finer["micro_batches"]) > len(split["micro_batches"])
     for other in (split, finer):
@@ -129,12 +129,17 @@ def test_groups_are_the_cheapest_runs_of_the_length_order(seed):
 
 def train_context(world: int, rank: int = 0, **train):
     """What optimizer_steps reads of a StageContext: the run's seed, the iteration, the rank, the
-    world size and the train section (a real TrainConfig, its checks included)."""
+    world size, the train section and the tuning section (real configs, their checks included);
+    `train` holds keys of either section."""
     from types import SimpleNamespace
 
-    from stages.runtime.config import TrainConfig
-    return SimpleNamespace(cfg=SimpleNamespace(seed=0, train=TrainConfig(**train)), iteration=3, rank=rank,
-                           world_size=world)
+    from stages.runtime.config import TrainConfig, TuningConfig
+    tuning_keys = {"balance_tokens", "max_tokens_per_micro_batch", "remove_padding"}
+    return SimpleNamespace(cfg=SimpleNamespace(seed=0, train=TrainConfig(**{k: v for k, v in train.items()
+                                                                            if k not in tuning_keys}),
+                                               tuning=TuningConfig(**{k: v for k, v in train.items()
+                                                                      if k in tuning_keys})),
+                           iteration=3, rank=rank, world_size=world)
 
 
 def realistic_rows(n: int, seed: int) -> list[dict]:

@@ -23,7 +23,7 @@ def test_each_setting_gets_its_mode_and_folder(tmp_path, monkeypatch):
     ds = {"zero_optimization": {"stage": 2}}
     deferred = train_checkpoint.for_run(context(tmp_path), ds)
     assert type(deferred) is train_checkpoint.Deferred and deferred.folder == deferred.ctx.paths.checkpoints
-    plain = train_checkpoint.for_run(context(tmp_path, "train.deferred_checkpoint=false"), ds)
+    plain = train_checkpoint.for_run(context(tmp_path, "tuning.deferred_checkpoint=false"), ds)
     assert type(plain) is train_checkpoint.Plain and plain.writer and not plain.zero3
     # Another export dtype than the training one needs the fp32 master weights: written before the marker.
     fp32 = train_checkpoint.for_run(context(tmp_path, "save.export_dtype=float16"), ds)
@@ -38,7 +38,7 @@ def test_each_setting_gets_its_mode_and_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train_checkpoint.for_run(context(tmp_path, f"train.local_checkpoint_dir={store}"), ds).writer
-    assert not train_checkpoint.for_run(context(tmp_path, "train.deferred_checkpoint=false"), ds).writer
+    assert not train_checkpoint.for_run(context(tmp_path, "tuning.deferred_checkpoint=false"), ds).writer
 
 
 def test_the_deferred_mode_takes_the_pool_a_process_started_early_prepared(tmp_path):
@@ -57,7 +57,7 @@ def test_resume_at_iteration_0_reads_nothing(tmp_path):
         def load_checkpoint(self, *a, **k):
             raise AssertionError("iteration 0 loaded a checkpoint")
 
-    checkpointer = train_checkpoint.for_run(context(tmp_path, "train.deferred_checkpoint=false", iteration=0), {})
+    checkpointer = train_checkpoint.for_run(context(tmp_path, "tuning.deferred_checkpoint=false", iteration=0), {})
     staging = checkpointer.folder / checkpointer.staging
     staging.mkdir(parents=True)
     checkpointer.resume(Engine())

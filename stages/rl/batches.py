@@ -68,7 +68,7 @@ def sequence_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     if "cu_seq_lens" not in batch:
         with sdpa_kernel(PASS_BACKENDS):
             # use_cache=False: transformers would otherwise keep every layer's keys and values of a
-            # pass that decodes nothing after it (and model.fused_layers takes only cache-free passes).
+            # pass that decodes nothing after it (and tuning.fused_layers takes only cache-free passes).
             logits = model(input_ids=ids, use_cache=False).logits
         return token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
     logits = model(input_ids=ids, **packing.model_kwargs(batch)).logits

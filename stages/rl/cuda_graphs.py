@@ -1,4 +1,4 @@
-"""CUDA graphs of the policy's decoder layers for train's update (train.graph_layers).
+"""CUDA graphs of the policy's decoder layers for train's update (tuning.train_graphs).
 
 A small model's update is bound by the host: a step launches thousands of kernels, and the GPU
 waits for them. Each layer's
@@ -49,8 +49,8 @@ def capture_layers(model, shape: PackedShape, device) -> int:
     try:
         graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(args), num_warmup_iters=WARMUP_PASSES)
     except RuntimeError as e:  # an operation that cannot be captured (a host sync, a new allocation pattern)
-        raise RuntimeError(f"train.graph_layers: capturing the {len(blocks)} {type(blocks[0]).__name__} layers at "
-                           f"{shape.positions} positions failed ({e}); set train.graph_layers=false") from e
+        raise RuntimeError(f"tuning.train_graphs: capturing the {len(blocks)} {type(blocks[0]).__name__} layers at "
+                           f"{shape.positions} positions failed ({e}); set tuning.train_graphs=false") from e
     for block, replay, call_args, params in zip(blocks, graphed, args, params_of):
         block.forward = _replaying_forward(block.forward, replay, call_args[0].shape, call_args[3].shape,
                                            shape.max_length, params)
@@ -66,7 +66,7 @@ def release_layers(model) -> None:
 
 def decoder_layers(model) -> list:
     """The model's decoder layers in the order its forward runs them."""
-    return repeated_blocks(model, "train.graph_layers", "false")
+    return repeated_blocks(model, "tuning.train_graphs", "false")
 
 
 def _layer_inputs(model, first_block, shape: PackedShape, device) -> tuple:

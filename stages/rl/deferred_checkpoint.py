@@ -99,8 +99,8 @@ class DeferredWrites:
 
 def why_not(cfg) -> str | None:
     """Why train must write this run's checkpoint before its marker (None: it may defer it)."""
-    if not cfg.train.deferred_checkpoint:
-        return "train.deferred_checkpoint is off"
+    if not cfg.tuning.deferred_checkpoint:
+        return "tuning.deferred_checkpoint is off"
     if cfg.train.local_checkpoint_dir:
         return "train.local_checkpoint_dir is set (the persist stage makes the durable copy beside the next stages)"
     if cfg.save.export_dtype not in ("model", cfg.model.dtype):
@@ -116,7 +116,7 @@ def write_policy(ctx, writes: DeferredWrites) -> Path:
     states = writes.find(local_checkpoints.MODEL_STATES)
     if states is None:
         raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
-                           f"set train.deferred_checkpoint=false")
+                           f"set tuning.deferred_checkpoint=false")
     return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration))
 
 
@@ -124,7 +124,7 @@ def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) ->
     """Write the held checkpoint into the staging folder, then publish it (rank 0, once every rank's
     files are in) with a record naming this attempt: the next train resumes only from that."""
     t0 = time.time()
-    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
+    with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap):
         write_s = writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
     writes.pool.close()  # the snapshot is written: its page-locked memory is no longer needed
     dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", ctx.cfg.train.timeout_s)

@@ -1,4 +1,4 @@
-"""Fewer, larger kernels in the decoder layers' attention and MLP (model.fused_layers).
+"""Fewer, larger kernels in the decoder layers' attention and MLP (tuning.fused_layers).
 
 A train step spends a large share of its layers' GPU time outside matrix products and attention
 (docs/benchmarks.md): HF's rotary embedding is ten elementwise kernels a layer forward (five
@@ -48,11 +48,11 @@ def fuse_layers(model) -> int:
     one (HF's where it does not apply); returns how many modules. Needs Triton where the model runs
     on CUDA."""
     if any(hasattr(p, "ds_id") for p in model.parameters()):
-        log.info("model.fused_layers: the model is partitioned (ZeRO-3), its layers run HF's forward")
+        log.info("tuning.fused_layers: the model is partitioned (ZeRO-3), its layers run HF's forward")
         return 0
     if any(p.is_cuda for p in model.parameters()) and importlib.util.find_spec("triton") is None:
-        raise RuntimeError("model.fused_layers needs Triton on a GPU (it comes with torch's CUDA wheels: "
-                           "pip install triton), or set model.fused_layers=false")
+        raise RuntimeError("tuning.fused_layers needs Triton on a GPU (it comes with torch's CUDA wheels: "
+                           "pip install triton), or set tuning.fused_layers=false")
     n = 0
     for module in model.modules():
         name = type(module).__name__
@@ -170,8 +170,8 @@ def _rows(x: torch.Tensor, b: int, t: int) -> torch.Tensor:
 
 def _launch_rotary(qkv, q, k, v, cos, sin, heads, kv_heads, dim, backward: bool):
     if dim % 2:
-        raise ValueError(f"model.fused_layers: the rotary embedding rotates halves of each head; this model's head "
-                         f"size is {dim}: set model.fused_layers=false")
+        raise ValueError(f"tuning.fused_layers: the rotary embedding rotates halves of each head; this model's head "
+                         f"size is {dim}: set tuning.fused_layers=false")
     rows = qkv.shape[0] * qkv.shape[1]
     kernels().rotary[(rows,)](qkv, q, k, v, cos, sin, HEADS=heads, KV_HEADS=kv_heads,
                               HEADS_P2=_pow2(heads), KV_P2=_pow2(kv_heads), HALF=dim // 2, HALF_P2=_pow2(dim // 2),

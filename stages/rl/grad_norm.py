@@ -1,4 +1,4 @@
-"""train.grad_norm: flat — the gradient norm and its clipping on ZeRO's flat fp32 partition.
+"""tuning.grad_norm: flat — the gradient norm and its clipping on ZeRO's flat fp32 partition.
 
 DeepSpeed's ZeRO 1-2 step takes the norm one parameter at a time (a dtype copy and a norm each: two
 kernels and a dozen Python calls per parameter; tests/benchmarks/train_mfu.py's nonorm variant
@@ -45,19 +45,19 @@ class FlatGradNorm:
 
         if not checked_release(deepspeed.__version__):
             low, high = (".".join(map(str, v)) for v in CHECKED_DEEPSPEED)
-            raise ValueError(f"train.grad_norm=flat reaches into DeepSpeed's ZeRO optimizer, checked against releases "
+            raise ValueError(f"tuning.grad_norm=flat reaches into DeepSpeed's ZeRO optimizer, checked against releases "
                              f"{low} to before {high}; this is DeepSpeed {deepspeed.__version__}: set "
-                             "train.grad_norm=deepspeed")
+                             "tuning.grad_norm=deepspeed")
         zero = engine.optimizer
         groups = getattr(zero, "single_partition_of_fp32_groups", None)
         if groups is None or getattr(zero, "cpu_offload", False):
-            raise ValueError(f"train.grad_norm=flat needs DeepSpeed's ZeRO stage 1 or 2 optimizer without offload; "
-                             f"this engine has {type(zero).__name__}: set train.grad_norm=deepspeed")
+            raise ValueError(f"tuning.grad_norm=flat needs DeepSpeed's ZeRO stage 1 or 2 optimizer without offload; "
+                             f"this engine has {type(zero).__name__}: set tuning.grad_norm=deepspeed")
         if len(groups) != 1:
             # The step hands its optimizer one group at a time: the first would be clipped before
             # the others' gradients exist.
-            raise ValueError(f"train.grad_norm=flat takes one parameter group; this optimizer has {len(groups)}: "
-                             "set train.grad_norm=deepspeed")
+            raise ValueError(f"tuning.grad_norm=flat takes one parameter group; this optimizer has {len(groups)}: "
+                             "set tuning.grad_norm=deepspeed")
         self.max_norm = max_norm
         self.process_group = zero.dp_process_group
         self.norm: torch.Tensor | None = None  # the last step's, on the device (read once per step record)

@@ -1,4 +1,4 @@
-"""A micro-batch's rows packed end to end into one sequence, without padding (train.remove_padding).
+"""A micro-batch's rows packed end to end into one sequence, without padding (tuning.remove_padding).
 
 Right-padded micro-batches run every row to the longest row's width: where completions vary in
 length, most of the positions run are padding. Packed, the forward and backward run only the real
@@ -24,7 +24,7 @@ ATTENTION = "syncrl_packed"
 
 
 class PackedShape(NamedTuple):
-    """One tensor shape for all of an iteration's packed micro-batches (train.graph_layers: a graph
+    """One tensor shape for all of an iteration's packed micro-batches (tuning.train_graphs: a graph
     replays the shape it captured). `longest` bounds every segment, rows and padding alike: it is the
     attention's max_length, which sizes the flash kernel's grid (blocks of queries per row and head),
     so it is the longest row, not the batch's positions; None is the positions."""
@@ -43,7 +43,7 @@ def pack(micro: list[dict | None], device, shape: tuple | None = None) -> dict:
     offsets the attention needs (cu_seq_lens, max_length).
 
     With shape (a PackedShape or its tuple) every batch has the same tensor shapes, as a captured
-    CUDA graph needs (train.graph_layers): T is `positions`, the rows followed by masked padding
+    CUDA graph needs (tuning.train_graphs): T is `positions`, the rows followed by masked padding
     segments of 1 to `longest` tokens (no zero-length sequence for the attention kernel), and
     cu_seq_lens has segments + 1 entries; max_length is the shape's, which bounds every segment."""
     real = [r for r in micro if r is not None]

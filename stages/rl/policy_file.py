@@ -2,7 +2,7 @@
 save to link into models/iter_I instead of consolidating a DeepSpeed checkpoint.
 
 Train writes it where save could not otherwise read the weights in time: before a checkpoint that
-reaches the disk after train's marker (train.deferred_checkpoint), and under ZeRO-3 with node-local
+reaches the disk after train's marker (tuning.deferred_checkpoint), and under ZeRO-3 with node-local
 checkpoints, whose weights are spread over every node's shards while save runs as one task on one
 node. The file holds the module's weights in the training dtype under the module's names, a tied
 weight once (save's export ties it again), as transformers writes a model's weights file.

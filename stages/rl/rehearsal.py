@@ -3,11 +3,11 @@
 CUDA loads a kernel the first time a process launches it, so the first micro-batch of a fresh train
 process runs several times longer than the others: nearly all of it in the first launch of each
 kernel of the log-probs, the loss, their backward and the optimizer step (docs/benchmarks.md). The
-Triton kernels of model.fused_layers are compiled or read from Triton's cache on first use too.
+Triton kernels of tuning.fused_layers are compiled or read from Triton's cache on first use too.
 
 A train process started early runs the same path once on a model with one decoder layer and the
 policy's widths, vocabulary and dtype (so the same kernel variants), on a packed or padded batch as
-train.remove_padding says: forward, log-probs, PPO-clip loss, backward, then a flat gradient norm,
+tuning.remove_padding says: forward, log-probs, PPO-clip loss, backward, then a flat gradient norm,
 clipping and a fused AdamW step on float32 copies, as ZeRO's optimizer takes them. Nothing of it is
 kept but the loaded kernels. The policy, the engine and the process group are untouched.
 
@@ -63,12 +63,12 @@ def memory_bytes(config, dtype: torch.dtype) -> int:
     activations = positions * ((8 * d + 4 * inter) * size + 3 * vocab * 4)
     return params * (2 * size + 16) + activations
 
-def rehearse(config, dtype: torch.dtype, model_cfg, train_cfg, temperature: float, device) -> float:
+def rehearse(config, dtype: torch.dtype, tuning, train_cfg, temperature: float, device) -> float:
     """Run the rehearsal on `device` for a policy of HF `config`; returns its seconds. The process's
     random number generators are left as they were (the model's initialisation draws from them)."""
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), memory_cap(device):
-        return _rehearse(config, dtype, model_cfg, train_cfg, temperature, device)
+        return _rehearse(config, dtype, tuning, train_cfg, temperature, device)
 
 
 @contextlib.contextmanager
@@ -86,7 +86,7 @@ def memory_cap(device: torch.device):
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
-def _rehearse(config, dtype, model_cfg, train_cfg, temperature, device) -> float:
+def _rehearse(config, dtype, tuning, train_cfg, temperature, device) -> float:
     from transformers import AutoModelForCausalLM
 
     from stages.rl import grad_norm, packing
@@ -97,17 +97,17 @@ def _rehearse(config, dtype, model_cfg, train_cfg, temperature, device) -> float
     t0 = time.time()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(one_layer(config), dtype=dtype).to(device)
-    if model_cfg.fused_rms_norm:
+    if tuning.fused_rms_norm:
         fuse_rms_norms(model)
-    if model_cfg.fused_layers:
+    if tuning.fused_layers:
         from stages.rl.fused_layers import fuse_layers
 
         fuse_layers(model)
-    if train_cfg.remove_padding:
+    if tuning.remove_padding:
         packing.use_packed_attention(model)
     model.train()
     rows = synthetic_rows(config.vocab_size)
-    batch = packing.pack(rows, device) if train_cfg.remove_padding else collate(rows, device)
+    batch = packing.pack(rows, device) if tuning.remove_padding else collate(rows, device)
     logp = sequence_logprobs(model, batch, temperature)
     ref_logp = logp.detach() if train_cfg.kl_coef > 0 else None
     loss, _ = ppo_clip_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], train_cfg.clip_eps,

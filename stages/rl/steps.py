@@ -1,9 +1,9 @@
 """An iteration's rows as this rank's optimizer steps, each a list of micro-batches.
 
 Rows are shuffled per epoch (seeded, the same on every rank) and dealt into micro-batches of
-train.micro_batch_size rows: in shuffled order, or (train.balance_tokens) with near-equal tokens per
+train.micro_batch_size rows: in shuffled order, or (tuning.balance_tokens) with near-equal tokens per
 micro-batch. A step's time follows its tokens: ranks wait at the gradient all-reduce for the one
-with the most. With train.max_tokens_per_micro_batch, each step's rows are regrouped by length
+with the most. With tuning.max_tokens_per_micro_batch, each step's rows are regrouped by length
 within a token budget.
 """
 
@@ -27,23 +27,24 @@ def optimizer_steps(rows: list[dict], ctx) -> list[OptimizerStep]:
     the stage's context (its config, iteration, rank and world size).
 
     Each step takes the rows today's fixed micro-batches would (micro_batches_by_rank); with
-    train.max_tokens_per_micro_batch they are regrouped by length instead (token_budget_groups).
+    tuning.max_tokens_per_micro_batch they are regrouped by length instead (token_budget_groups).
     Every rank holds the whole train set, so each computes every rank's grouping, and pads its own
     with empty micro-batches to the busiest rank's count, without communicating.
     """
     t = ctx.cfg.train
+    budget = ctx.cfg.tuning.max_tokens_per_micro_batch
     per_step = t.micro_batch_size * t.gradient_accumulation_steps
     fixed = micro_batches_by_rank(rows, ctx, per_step * ctx.world_size)
     n_steps = len(fixed[ctx.rank]) // t.gradient_accumulation_steps
     steps = []
     for k in range(n_steps):
         window = slice(k * t.gradient_accumulation_steps, (k + 1) * t.gradient_accumulation_steps)
-        if not t.max_tokens_per_micro_batch:
+        if not budget:
             steps.append(OptimizerStep(fixed[ctx.rank][window]))
             continue
         step_rows = [[r for micro in fixed[rank][window] for r in micro if r is not None]
                      for rank in range(ctx.world_size)]
-        groups = [token_budget_groups(rs, t.max_tokens_per_micro_batch) for rs in step_rows]
+        groups = [token_budget_groups(rs, budget) for rs in step_rows]
         count = max(1, max(len(g) for g in groups))
         mine = groups[ctx.rank] + [[None]] * (count - len(groups[ctx.rank]))
         tokens = sum(len(r["completion_ids"]) for rs in step_rows for r in rs)
@@ -84,7 +85,7 @@ def micro_batches_by_rank(rows: list[dict], ctx, global_batch: int) -> list[list
 
     Rows are shuffled per epoch (seeded: the same on every rank, so once serves them all) and padded
     with None up to whole global batches; None rows carry no tokens and no loss. They are dealt
-    round-robin, or with train.balance_tokens into micro-batches of near-equal tokens
+    round-robin, or with tuning.balance_tokens into micro-batches of near-equal tokens
     (balanced_groups), which are then shuffled and dealt round-robin.
     """
     t = ctx.cfg.train
@@ -94,7 +95,7 @@ def micro_batches_by_rank(rows: list[dict], ctx, global_batch: int) -> list[list
         rng = random.Random(f"{ctx.cfg.seed}:{ctx.iteration}:{epoch}")
         rng.shuffle(order)
         padded = order + [None] * (-len(order) % global_batch)
-        if t.balance_tokens:
+        if ctx.cfg.tuning.balance_tokens:
             groups = balanced_groups([row_width(r) if r else 0 for r in padded], len(padded) // t.micro_batch_size,
                                      t.micro_batch_size)
             rng.shuffle(groups)  # which step runs which group: no order by composition

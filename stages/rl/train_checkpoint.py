@@ -3,7 +3,7 @@
 - Plain: every rank writes its files into the run dir's checkpoints/iter_I before the marker.
 - NodeLocal (train.local_checkpoint_dir): the same into each node's own storage, with a record
   naming the attempt; the persist stage makes the durable copy in the run dir later.
-- Deferred (train.deferred_checkpoint, the default where it applies): the checkpoint is copied to
+- Deferred (tuning.deferred_checkpoint, the default where it applies): the checkpoint is copied to
   host memory before the marker and written to checkpoints/iter_I after it, beside the next stages.
 
 train calls resume() once the engine is built, save() after the last optimizer step, and
@@ -78,7 +78,7 @@ class Checkpointer:
 
     def write(self, engine) -> None:
         """Every rank's files into the staging folder."""
-        with checkpoint_io(self.ctx.cfg.train.checkpoint_mmap):
+        with checkpoint_io(self.ctx.cfg.tuning.checkpoint_mmap):
             # save_latest=False: syncrl names the tag it resumes from; a "latest" file would name the staging one.
             engine.save_checkpoint(str(self.folder), tag=self.staging, save_latest=False,
                                    client_state={"iteration": self.ctx.iteration})
@@ -206,7 +206,7 @@ def resume(ctx: StageContext, engine) -> None:
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     source / tag, ctx.policy_path())
         return
-    with checkpoint_io(ctx.cfg.train.checkpoint_mmap):
+    with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap):
         path, _ = engine.load_checkpoint(str(source), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:

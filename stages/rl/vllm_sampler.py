@@ -52,12 +52,13 @@ class StartupFigures(logging.Handler):
                 self.figures[key] = float(m[1])
 
 
-def vllm_args(model_path: Path, tokenizer_path: Path, dtype: str, g, seed: int, sleep_mode: bool) -> dict:
-    """LLM(...)'s arguments for this run's generate settings."""
+def vllm_args(model_path: Path, tokenizer_path: Path, dtype: str, g, seed: int, sleep_mode: bool,
+              enforce_eager: bool = False) -> dict:
+    """LLM(...)'s arguments for this run's generate settings (enforce_eager: tuning.vllm_enforce_eager)."""
     args = dict(model=str(model_path), tokenizer=str(tokenizer_path), dtype=dtype,
                 tensor_parallel_size=g.gpus_per_process, gpu_memory_utilization=g.vllm_memory_fraction,
                 seed=seed % 2**32,  # the engine seeds numpy with it, which takes 32 bits (requests' seeds take 64)
-                enable_prefix_caching=True, enforce_eager=g.vllm_enforce_eager)
+                enable_prefix_caching=True, enforce_eager=enforce_eager)
     if g.batch_size:
         args["max_num_seqs"] = g.batch_size
     if sleep_mode:
@@ -77,7 +78,7 @@ def stable_link(link: Path, target: Path) -> Path:
 
 class VllmSampler:
     def __init__(self, model_path: Path, tokenizer_path: Path, dtype: str, g, seed: int,
-                 cache_dir: Path | None = None, sleep_mode: bool = False):
+                 cache_dir: Path | None = None, sleep_mode: bool = False, enforce_eager: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # FlashInfer's top-p/top-k kernels are compiled on first use where its wheel ships none
         # prebuilt (flashinfer-python alone): the engine's warm-up then waits minutes for nvcc. The
@@ -95,7 +96,7 @@ class VllmSampler:
         self.model_path = Path(model_path)  # the weights it holds (or held, asleep)
         self.asleep = False
         engine_model = stable_link(Path(cache_dir) / "policy", model_path) if cache_dir is not None else model_path
-        args = vllm_args(engine_model, tokenizer_path, dtype, g, seed, sleep_mode)
+        args = vllm_args(engine_model, tokenizer_path, dtype, g, seed, sleep_mode, enforce_eager)
         figures = StartupFigures()
         vllm_log = logging.getLogger("vllm")
         level = vllm_log.level

@@ -35,15 +35,6 @@ class ModelConfig:
     preset: str = "tiny-llama"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
-    # The RMSNorms of Llama, Mistral and Qwen layers run torch's fused kernel (F.rms_norm) in generate
-    # and train instead of HF's unfused forward (stages/rl/modeling.py, fuse_rms_norms): one kernel
-    # each way instead of a chain of element-wise ones (docs/benchmarks.md has its gain).
-    fused_rms_norm: bool = True
-    # Llama, Mistral and Qwen2 attention and MLP on a GPU: q, k and v from one matrix product, gate and
-    # up from another, the rotary embedding and SiLU(gate) * up each one Triton kernel a direction
-    # (stages/rl/fused_layers.py), for train's update and the whole-sequence log-prob passes; decoding
-    # with a KV cache and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it).
-    fused_layers: bool = True
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -134,14 +125,6 @@ class GenerateConfig:
     # for every sequence reaching max_new_tokens) may take; the rest is left for activations and the
     # old-log-prob pass.
     memory_fraction: float = 0.8
-    # compact: capture decode steps as CUDA graphs (on GPU). Off: every step launches its kernels.
-    cuda_graphs: bool = True
-    # Where the old log-probs come from. "sampler": the compact sampler records each token's log-prob
-    # from the logits it drew it from (no extra pass; they equal a teacher-forced pass within bf16
-    # tolerance, tests/test_decoding.py). "recompute": one forward pass over the finished sequences,
-    # the one train runs. "auto": sampler for cache=compact, recompute for the others (HF generate
-    # and vLLM do not record them).
-    logprobs: str = "auto"
     # GPUs one generate process spreads the model over (transformers' device_map: its layers split
     # across them, run in turn), for models too large for one GPU. 1: one process per GPU, each with
     # the whole model. Generate and score then run tasks_per_node / gpus_per_process tasks per node.
@@ -150,9 +133,6 @@ class GenerateConfig:
     # gpus_per_process GPUs; the share of each GPU's memory it may take, the rest holding the HF
     # copy of the policy that computes the old log-probs.
     vllm_memory_fraction: float = 0.5
-    # backend "vllm": run eagerly, without torch.compile and CUDA graphs, which are most of a fresh
-    # engine's start (docs/benchmarks.md); what eager decoding costs is not measured.
-    vllm_enforce_eager: bool = False
     # backend "vllm": keep one engine per generate rank alive for the whole run (stages/engine.py, a
     # job step beside the stages) instead of starting vLLM in every iteration's generate. Between
     # generate steps it sleeps, its GPU memory freed for train; each generate step has it load the
@@ -184,17 +164,10 @@ class GenerateConfig:
         if not self.engine_timeout_s > 0:
             raise ConfigError(f"generate.engine_timeout_s must be > 0 (got {self.engine_timeout_s})")
         _choice("generate.cache", self.cache, ("compact", "static", "dynamic"))
-        _choice("generate.logprobs", self.logprobs, ("auto", "sampler", "recompute"))
-        if self.logprobs == "sampler" and not self._sampler_records_logprobs():
-            raise ConfigError(f"generate.logprobs=sampler needs generate.cache=compact and backend=hf (got "
-                              f"cache={self.cache}, backend={self.backend}): set generate.logprobs=recompute")
 
-    def _sampler_records_logprobs(self) -> bool:
+    def sampler_records_logprobs(self) -> bool:
+        """Whether this sampler can record the old log-probs as it draws (tuning.logprobs)."""
         return self.cache == "compact" and self.backend == "hf"
-
-    def logprobs_from_sampler(self) -> bool:
-        # "sampler" with another sampler was refused above.
-        return self.logprobs != "recompute" and self._sampler_records_logprobs()
 
 
 @dataclass
@@ -240,24 +213,6 @@ class TrainConfig:
     weight_decay: float = 0.0
     micro_batch_size: int = 16
     gradient_accumulation_steps: int = 1
-    # 0: each rank's rows of an optimizer step (micro_batch_size x gradient_accumulation_steps) run
-    # as gradient_accumulation_steps micro-batches of micro_batch_size rows, and the loss is the mean
-    # of each micro-batch's token mean. > 0: the same rows are grouped by length into micro-batches
-    # whose padded size (rows x longest row) stays within this many positions (a longer row runs
-    # alone), every rank running as many as the busiest, and the loss is the token mean over the
-    # whole optimizer step on all ranks, whatever the grouping. Where a micro-batch's fixed cost
-    # dominates the update, fewer padded positions do not shorten it (docs/benchmarks.md).
-    max_tokens_per_micro_batch: int = 0
-    # Deal each epoch's shuffled rows into micro-batches of near-equal token counts (longest rows
-    # first, each to the micro-batch with the fewest tokens so far; stages/rl/steps.py) instead of in
-    # shuffled order: every step costs about the same, ranks do not wait for the one with the longest
-    # rows, and train.graph_layers pads little. Which rows share a step then depends on their lengths (rows of similar length go to
-    # different steps) rather than on the shuffle alone.
-    balance_tokens: bool = True
-    # Each micro-batch's rows packed end to end into one sequence, attention within each row
-    # (stages/rl/packing.py), so the forward and backward run no padding: the same loss and gradient
-    # as right-padded rows, over the real tokens only.
-    remove_padding: bool = True
     epochs: int = 1
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # off by default, as in the original 70B runs
@@ -269,20 +224,6 @@ class TrainConfig:
     # recompile: it pays off for long train stages); "aot_eager" traces without generating code
     # (checks that a model compiles, cheaply); "eager" does not compile.
     compile: str = "eager"
-    # Replay each decoder layer's forward and backward as a CUDA graph (stages/rl/cuda_graphs.py): one
-    # launch per layer and pass instead of dozens of kernels, for an update bound by the host's
-    # dispatch (a small model, short micro-batches). Each train process captures them once, at the
-    # largest packed micro-batch of its iteration, to which every micro-batch is then padded. Needs
-    # GPUs, train.remove_padding, train.compile: eager, no gradient checkpointing and ZeRO stage 0-2.
-    graph_layers: bool = False
-    # Where the gradient norm (and its clipping at max_grad_norm) is taken: "deepspeed", one parameter
-    # at a time in DeepSpeed's step; "flat", one multi-tensor norm of the flat fp32 gradient partition
-    # the step hands its optimizer (stages/rl/grad_norm.py: the same clipping, a fraction of the
-    # launches). "flat" needs ZeRO stage 1 or 2 without optimizer offload.
-    grad_norm: str = "deepspeed"
-    # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
-    # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.
-    checkpoint_mmap: bool = True
     # Node-local fast storage for the checkpoint ("" = off: train writes checkpoints/iter_I in the run
     # dir). With a path (/dev/shm/syncrl, a local NVMe disk, $SLURM_TMPDIR: variables are expanded on
     # each node), train writes there, save exports from there, and the persist stage copies it to
@@ -294,28 +235,11 @@ class TrainConfig:
     # that loses its copy (replaced, storage cleared) then costs at most the iterations since the
     # last durable copy: the run goes back to it and redoes them.
     durable_every: int = 1
-    # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
-    # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint
-    # beside save and the next generate, score and gather (the next train waits for it, and a failed
-    # write redoes train). Applies with no local_checkpoint_dir and save.export_dtype the
-    # training dtype; otherwise, and for a checkpoint larger than half the node's free host memory,
-    # it is written before the marker.
-    deferred_checkpoint: bool = True
 
     def __post_init__(self):
         _positive("train.micro_batch_size", self.micro_batch_size)
         _choice("train.compile", self.compile, ("eager", "inductor", "aot_eager"))
-        _choice("train.grad_norm", self.grad_norm, ("deepspeed", "flat"))
         _positive("train.gradient_accumulation_steps", self.gradient_accumulation_steps)
-        if self.max_tokens_per_micro_batch < 0:
-            raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
-                              "0 keeps fixed micro-batches of train.micro_batch_size rows)")
-        if self.graph_layers and not self.remove_padding:
-            raise ConfigError("train.graph_layers needs packed micro-batches (one fixed shape to capture): set "
-                              "train.remove_padding=true, or train.graph_layers=false")
-        if self.graph_layers and self.compile != "eager":
-            raise ConfigError(f"train.graph_layers captures the eager layers; train.compile is {self.compile}: set "
-                              "train.compile=eager, or train.graph_layers=false")
         _positive("train.epochs", self.epochs)
         _positive("train.durable_every", self.durable_every)
         _positive("train.timeout_s", self.timeout_s)
@@ -364,18 +288,12 @@ class RetryConfig:
     attempts: int = 2  # launches per stage before the run stops
     backoff_s: float = 2.0  # wait before a retry, doubled each time
     max_backoff_s: float = 60.0
-    marker_wait_s: float = 10.0  # how long a missing marker is awaited (shared-filesystem lag)
     stage_timeout_s: int = 0  # kill a stage attempt after this long (0 = no limit beyond SLURM's)
-    # A stage is done once every rank's marker is in; processes still exiting then (closing NCCL
-    # groups, CUDA contexts) get this long, from when the next stage on the GPUs is due, to be gone.
-    exit_grace_s: float = 60.0
 
     def __post_init__(self):
         _positive("retry.attempts", self.attempts)
-        if self.backoff_s < 0 or self.marker_wait_s < 0 or self.stage_timeout_s < 0:
-            raise ConfigError("retry.backoff_s, retry.marker_wait_s and retry.stage_timeout_s must be >= 0")
-        if not self.exit_grace_s > 0:
-            raise ConfigError(f"retry.exit_grace_s must be > 0 (got {self.exit_grace_s})")
+        if self.backoff_s < 0 or self.stage_timeout_s < 0:
+            raise ConfigError("retry.backoff_s and retry.stage_timeout_s must be >= 0")
 
 
 @dataclass
@@ -416,6 +334,114 @@ class WandbConfig:
 
 
 @dataclass
+class TuningConfig:
+    """Switches of syncrl's speed features and bounds of the coordinator's waits, kept apart from what
+    a run computes: each default is what the benchmarks chose (docs/performance.md has each
+    feature's gain and its command), and a run needs none of them. Turn a feature off to debug it or
+    to measure it; every one computes the same loss and gradient, on or off."""
+
+    # The RMSNorms of Llama, Mistral and Qwen layers run torch's fused kernel (F.rms_norm) in generate
+    # and train instead of HF's unfused forward (stages/rl/modeling.py, fuse_rms_norms).
+    fused_rms_norm: bool = True
+    # Llama, Mistral and Qwen2 attention and MLP on a GPU: q, k and v from one matrix product, gate and
+    # up from another, the rotary embedding and SiLU(gate) * up each one Triton kernel a direction
+    # (stages/rl/fused_layers.py), for train's update and the whole-sequence log-prob passes; decoding
+    # with a KV cache and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it).
+    fused_layers: bool = True
+    # The compact sampler replays each decode step as a CUDA graph (on GPU); off, every step launches
+    # its kernels.
+    decode_graphs: bool = True
+    # Where the old log-probs come from. "sampler": the compact sampler records each token's log-prob
+    # from the logits it drew it from (no extra pass; they equal a teacher-forced pass within bf16
+    # tolerance, tests/test_decoding.py). "recompute": one forward pass over the finished sequences,
+    # the one train runs. "auto": sampler for generate.cache=compact, recompute for the others (HF
+    # generate and vLLM do not record them).
+    logprobs: str = "auto"
+    # generate.backend "vllm": run eagerly, without torch.compile and CUDA graphs, which are most of a
+    # fresh engine's start.
+    vllm_enforce_eager: bool = False
+    # Each train micro-batch's rows packed end to end into one sequence, attention within each row
+    # (stages/rl/packing.py), so the forward and backward run no padding: the same loss and gradient
+    # as right-padded rows, over the real tokens only.
+    remove_padding: bool = True
+    # Deal each epoch's shuffled rows into micro-batches of near-equal token counts (longest rows
+    # first, each to the micro-batch with the fewest tokens so far; stages/rl/steps.py) instead of in
+    # shuffled order: every step costs about the same, ranks do not wait for the one with the longest
+    # rows, and train_graphs pads little. Which rows share a step then depends on their lengths
+    # rather than on the shuffle alone.
+    balance_tokens: bool = True
+    # 0: each rank's rows of an optimizer step (train.micro_batch_size x gradient_accumulation_steps)
+    # run as gradient_accumulation_steps micro-batches of micro_batch_size rows, and the loss is the
+    # mean of each micro-batch's token mean. > 0: the same rows are grouped by length into
+    # micro-batches whose padded size (rows x longest row) stays within this many positions (a longer
+    # row runs alone), every rank running as many as the busiest, and the loss is the token mean over
+    # the whole optimizer step on all ranks, whatever the grouping.
+    max_tokens_per_micro_batch: int = 0
+    # Replay each decoder layer's forward and backward in train as a CUDA graph
+    # (stages/rl/cuda_graphs.py): one launch per layer and pass instead of dozens of kernels, for an
+    # update bound by the host's dispatch (a small model, short micro-batches). Each train process
+    # captures them once, at the largest packed micro-batch of its iteration, to which every
+    # micro-batch is then padded. Needs GPUs, remove_padding, train.compile: eager, no gradient
+    # checkpointing and ZeRO stage 0-2.
+    train_graphs: bool = False
+    # Where the gradient norm (and its clipping at train.max_grad_norm) is taken: "deepspeed", one
+    # parameter at a time in DeepSpeed's step; "flat", one multi-tensor norm of the flat fp32 gradient
+    # partition the step hands its optimizer (stages/rl/grad_norm.py: the same clipping, a fraction of
+    # the launches). "flat" needs ZeRO stage 1 or 2 without optimizer offload.
+    grad_norm: str = "deepspeed"
+    # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
+    # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint
+    # beside save and the next generate, score and gather (the next train waits for it, and a failed
+    # write redoes train; docs/design.md). Applies with no train.local_checkpoint_dir and
+    # save.export_dtype the training dtype; otherwise, and for a checkpoint larger than half the
+    # node's free host memory, it is written before the marker.
+    deferred_checkpoint: bool = True
+    # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
+    # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.
+    checkpoint_mmap: bool = True
+    # A stage started early (start_early) waits at most this long (s) for the previous stage's marker.
+    start_early_wait_s: int = 21600
+    # A stage is done once every rank's marker is in; processes still exiting then (closing NCCL
+    # groups, CUDA contexts) get this long (s), from when the next stage on the GPUs is due, to be gone.
+    exit_grace_s: float = 60.0
+    # How long (s) a missing marker is awaited before the stage counts as failed (shared-filesystem lag).
+    marker_wait_s: float = 10.0
+
+    def __post_init__(self):
+        _choice("tuning.logprobs", self.logprobs, ("auto", "sampler", "recompute"))
+        _choice("tuning.grad_norm", self.grad_norm, ("deepspeed", "flat"))
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"tuning.max_tokens_per_micro_batch must be >= 0 (got {self.max_tokens_per_micro_batch};"
+                              " 0 keeps fixed micro-batches of train.micro_batch_size rows)")
+        if self.train_graphs and not self.remove_padding:
+            raise ConfigError("tuning.train_graphs needs packed micro-batches (one fixed shape to capture): set "
+                              "tuning.remove_padding=true, or tuning.train_graphs=false")
+        _positive("tuning.start_early_wait_s", self.start_early_wait_s)
+        if not self.exit_grace_s > 0:
+            raise ConfigError(f"tuning.exit_grace_s must be > 0 (got {self.exit_grace_s})")
+        if self.marker_wait_s < 0:
+            raise ConfigError(f"tuning.marker_wait_s must be >= 0 (got {self.marker_wait_s})")
+
+    def logprobs_from_sampler(self, generate: GenerateConfig) -> bool:
+        # "sampler" with a sampler that cannot record them is refused with the run config.
+        return self.logprobs != "recompute" and generate.sampler_records_logprobs()
+
+
+# Keys that moved into `tuning`: a config that still names one is told where it went.
+MOVED_KEYS = {
+    "model.fused_rms_norm": "tuning.fused_rms_norm", "model.fused_layers": "tuning.fused_layers",
+    "generate.cuda_graphs": "tuning.decode_graphs", "generate.logprobs": "tuning.logprobs",
+    "generate.vllm_enforce_eager": "tuning.vllm_enforce_eager", "train.remove_padding": "tuning.remove_padding",
+    "train.balance_tokens": "tuning.balance_tokens",
+    "train.max_tokens_per_micro_batch": "tuning.max_tokens_per_micro_batch",
+    "train.graph_layers": "tuning.train_graphs", "train.cuda_graphs": "tuning.train_graphs",
+    "train.grad_norm": "tuning.grad_norm", "train.deferred_checkpoint": "tuning.deferred_checkpoint",
+    "train.checkpoint_mmap": "tuning.checkpoint_mmap", "start_early_wait_s": "tuning.start_early_wait_s",
+    "retry.exit_grace_s": "tuning.exit_grace_s", "retry.marker_wait_s": "tuning.marker_wait_s",
+}
+
+
+@dataclass
 class RunConfig:
     run_dir: str = "runs/default"
     iterations: int = 1
@@ -423,10 +449,10 @@ class RunConfig:
     ranks: int = 2  # processes per multi-rank stage when launched locally
     # Start generate, train and save processes while earlier stages still run, so that their imports
     # and model code load meanwhile; each waits (at most start_early_wait_s) for the previous stage's
-    # marker before it reads anything. "auto": only where the machine has at least 3 CPU cores per
-    # rank, since the early imports compete with the running stage for the cores.
+    # marker before it reads anything (at most tuning.start_early_wait_s). "auto": only where the
+    # machine has at least 3 CPU cores per rank, since the early imports compete with the running
+    # stage for the cores.
     start_early: str = "auto"
-    start_early_wait_s: int = 21600
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -437,12 +463,20 @@ class RunConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tuning: TuningConfig = field(default_factory=TuningConfig)
 
     def __post_init__(self):
         _positive("iterations", self.iterations)
         _positive("ranks", self.ranks)
         _choice("start_early", self.start_early, ("auto", "always", "never"))
-        _positive("start_early_wait_s", self.start_early_wait_s)
+        tn = self.tuning
+        if tn.logprobs == "sampler" and not self.generate.sampler_records_logprobs():
+            raise ConfigError(f"tuning.logprobs=sampler needs generate.cache=compact and generate.backend=hf (got "
+                              f"cache={self.generate.cache}, backend={self.generate.backend}): set "
+                              "tuning.logprobs=recompute")
+        if tn.train_graphs and self.train.compile != "eager":
+            raise ConfigError(f"tuning.train_graphs captures the eager layers; train.compile is {self.train.compile}: "
+                              "set train.compile=eager, or tuning.train_graphs=false")
         if not self.run_dir:
             raise ConfigError("run_dir is empty: set it in the config or as run_dir=PATH")
         if self.data.answer_format == "custom" and not self.score.reward_fn:
@@ -452,7 +486,8 @@ class RunConfig:
 
 
 # Keys that change how a run is executed but not what it computes: changing them on resume is fine.
-NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "start_early_wait_s")
+NON_SEMANTIC_KEYS = ("run_dir", "iterations", "retry", "slurm", "wandb", "start_early", "tuning.start_early_wait_s",
+                     "tuning.exit_grace_s", "tuning.marker_wait_s")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
@@ -515,6 +550,11 @@ def from_dict(cls, raw: dict, source: str = "config", prefix: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(raw) - set(fields))
+    moved = [k for k in unknown if f"{prefix}{k}" in MOVED_KEYS]
+    if moved:
+        key = f"{prefix}{moved[0]}"
+        raise ConfigError(f"{source}: '{key}' is now '{MOVED_KEYS[key]}' (speed features' switches and the "
+                          f"coordinator's waits live in the tuning section): write {MOVED_KEYS[key]}")
     if unknown:
         where = f"section '{prefix.rstrip('.')}'" if prefix else "top level"
         raise ConfigError(
@@ -538,7 +578,7 @@ def config_hash(cfg: RunConfig) -> str:
     its default value: an option added to syncrl later (with a default that keeps the old behaviour)
     then leaves the markers of runs made before it valid, so upgrading mid-run redoes nothing."""
     defaults = to_dict(RunConfig(run_dir="-"))
-    d = _without_defaults({k: v for k, v in to_dict(cfg).items() if k not in NON_SEMANTIC_KEYS}, defaults)
+    d = _without_defaults(_semantic(to_dict(cfg)), defaults)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -554,11 +594,17 @@ def _without_defaults(d: dict, defaults: dict) -> dict:
     return out
 
 
+def _semantic(d: dict, prefix: str = "") -> dict:
+    """`d` without the keys of NON_SEMANTIC_KEYS (whole sections, or dotted keys within one)."""
+    return {k: _semantic(v, f"{prefix}{k}.") if isinstance(v, dict) else v for k, v in d.items()
+            if f"{prefix}{k}" not in NON_SEMANTIC_KEYS}
+
+
 def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     """Lines `key: old -> new` for every semantic key that differs."""
     lines = []
     for key in sorted(set(old) | set(new)):
-        if not prefix and key in NON_SEMANTIC_KEYS:
+        if f"{prefix}{key}" in NON_SEMANTIC_KEYS:
             continue
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -53,7 +53,7 @@ def recorded(paths: RunPaths, it: int) -> dict | None:
 
 def deferred(paths: RunPaths, it: int) -> dict | None:
     """What train of iteration `it` recorded of a checkpoint it wrote after its marker
-    (train.deferred_checkpoint: {"id", ...}), or None when it wrote it before (or has no marker)."""
+    (tuning.deferred_checkpoint: {"id", ...}), or None when it wrote it before (or has no marker)."""
     return (markers.read_marker(paths, it, "train") or {}).get("deferred_checkpoint")
 
 

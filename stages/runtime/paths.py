@@ -86,11 +86,11 @@ class RunPaths:
 
     def snapshot_layout(self, it: int, rank: int) -> Path:
         """The shapes and dtypes of the checkpoint state one rank's train copied to host memory
-        (train.deferred_checkpoint): the next train prepares host memory laid out so beforehand."""
+        (tuning.deferred_checkpoint): the next train prepares host memory laid out so beforehand."""
         return self.stage_dir(it, "train") / f"snapshot_layout.rank_{rank:05d}.json"
 
     def train_policy(self, it: int) -> Path:
-        """The policy's weights as train wrote them for save (train.deferred_checkpoint: the
+        """The policy's weights as train wrote them for save (tuning.deferred_checkpoint: the
         checkpoint reaches the disk after train's marker); save removes it once it has exported."""
         return self.stage_dir(it, "train") / "policy.safetensors"
 

@@ -253,7 +253,7 @@ def exit_now(code: int) -> None:
     Outputs and marker are on disk by now: unloading torch, DeepSpeed and transformers module by
     module takes seconds per process, and the next stage on the GPU would wait for it.
     (The coordinator counts the stage done once every rank's marker is in, without waiting for the
-    exit; the next stage on the GPUs waits for it, at most retry.exit_grace_s.)
+    exit; the next stage on the GPUs waits for it, at most tuning.exit_grace_s.)
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -3,8 +3,8 @@
 Every mode runs in a fresh process, as a generate stage runs it: load the model, then one call of
 `stages.generate.sample_rows` over all of a rank's prompts (which also runs the old-log-prob pass),
 then --repeats more calls in the same process (what a longer-lived process would see, compiled code
-and captured graphs included). Modes are generate.cache values, optionally with overrides after a
-colon: `compact`, `compact:cuda_graphs=false`, `static:batch_size=512` (HF generate in calls of 512,
+and captured graphs included). Modes are generate.cache values, optionally with generate.* or tuning.* settings after a
+colon: `compact`, `compact:decode_graphs=false`, `static:batch_size=512` (HF generate in calls of 512,
 what the stage did before), `compiled:batch_size=512`, `paged`, `dynamic:batch_size=512`.
 
 Prints per mode: the first call's wall time, new tokens/s (up to end-of-sequence), decoded
@@ -18,6 +18,7 @@ split, and the memory-bandwidth bound for the same completions (tests/benchmarks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, bound, model_bytes  # noqa: E402
 
-DEFAULT_MODES = "compact,compact:cuda_graphs=false,static:batch_size=512"
+DEFAULT_MODES = "compact,compact:decode_graphs=false,static:batch_size=512"
 
 
 def main() -> int:
@@ -48,7 +49,7 @@ def main() -> int:
                         help="decode steps attending to fewer positions use the batched-products attention "
                              "(decoding.MATMUL_ATTENTION_BELOW), the longer ones SDPA")
     parser.add_argument("--fused-norms", action="store_true",
-                        help="torch's fused RMSNorm instead of HF's forward (model.fused_rms_norm=true)")
+                        help="torch's fused RMSNorm instead of HF's forward (tuning.fused_rms_norm=true)")
     parser.add_argument("--profile", action="store_true",
                         help="trace each mode's first call (torch.profiler) and print where its time went; "
                              "the tracing slows the call, so its figures are not the mode's")
@@ -109,7 +110,7 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
 
     import yaml
 
-    from stages.runtime.config import DataConfig, GenerateConfig
+    from stages.runtime.config import DataConfig, GenerateConfig, TuningConfig
     from stages.runtime.data import iteration_prompts, synthetic_problems
     from stages.rl.modeling import device_for, load_policy, load_tokenizer
     from stages.generate import sample_rows
@@ -120,9 +121,11 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
 
         decoding.MATMUL_ATTENTION_BELOW = args.matmul_below
     cache, _, rest = mode.partition(":")
-    overrides = dict(kv.split("=", 1) for kv in rest.split(";") if kv) if rest else {}
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in rest.split(";") if kv)} if rest else {}
+    tuning_keys = {f.name for f in dataclasses.fields(TuningConfig)}
     g = GenerateConfig(attempts=args.attempts, max_new_tokens=args.new_tokens, cache=cache,
-                       **{k: yaml.safe_load(v) for k, v in overrides.items()})
+                       **{k: v for k, v in overrides.items() if k not in tuning_keys})
+    tuning = TuningConfig(**{k: v for k, v in overrides.items() if k in tuning_keys})
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir, args.dtype, device, fused_norms=args.fused_norms).eval()
@@ -138,9 +141,9 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
         if args.profile and i == 0:
             from tests.benchmarks.profiling import profiled
 
-            rows, stats = profiled(lambda: sample_rows(model, tokenizer, items, g, device), device)
+            rows, stats = profiled(lambda: sample_rows(model, tokenizer, items, g, device, tuning=tuning), device)
         else:
-            rows, stats = sample_rows(model, tokenizer, items, g, device)
+            rows, stats = sample_rows(model, tokenizer, items, g, device, tuning=tuning)
         if device.type == "cuda":
             torch.cuda.synchronize()
         s = time.perf_counter() - t0

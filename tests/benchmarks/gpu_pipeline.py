@@ -147,7 +147,7 @@ def generate_positions(run_dir: Path, it: int, cfg: dict, markers: list[dict]) -
 
 def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None:
     """Positions the training forward/backward ran, right padding included (train's own batching;
-    with train.remove_padding, the rows' own lengths)."""
+    with tuning.remove_padding, the rows' own lengths)."""
     try:
         from stages.rl.packing import row_width
         from stages.rl.steps import optimizer_steps
@@ -155,17 +155,20 @@ def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None
         return None
     rows = [json.loads(line) for line in (run_dir / f"iter_{it:05d}" / "gather" / "train.jsonl").open()]
     t = SimpleNamespace(**cfg["train"])
-    t.max_tokens_per_micro_batch = getattr(t, "max_tokens_per_micro_batch", 0)
+    known = {**cfg["train"], **cfg.get("tuning", {})}  # a run dir of an older syncrl kept these under train
+    tuning = SimpleNamespace(max_tokens_per_micro_batch=known.get("max_tokens_per_micro_batch", 0),
+                             balance_tokens=known.get("balance_tokens", False),
+                             remove_padding=known.get("remove_padding", False))
     total = 0
     for rank in range(world):
-        ctx = SimpleNamespace(cfg=SimpleNamespace(train=t, seed=cfg["seed"]), iteration=it, rank=rank,
+        ctx = SimpleNamespace(cfg=SimpleNamespace(train=t, tuning=tuning, seed=cfg["seed"]), iteration=it, rank=rank,
                               world_size=world)
         for step in optimizer_steps(rows, ctx):
             for micro in step.micro_batches:
                 real = [r for r in micro if r is not None]
                 lengths = [row_width(r) for r in real]
                 if lengths:
-                    total += sum(lengths) if getattr(t, "remove_padding", False) else len(lengths) * max(lengths)
+                    total += sum(lengths) if tuning.remove_padding else len(lengths) * max(lengths)
     return total
 
 
@@ -244,7 +247,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "mfu_model": tr.get("mfu"), "import_s": max(r.get("import_s", 0.0) for r in train),
                 # Started early: how long its preload ran past its turn (on the critical path).
                 "preload_late_s": max(r.get("started_early_late_s", 0.0) for r in train),
-                # train.deferred_checkpoint: the copy to host memory before the marker, the write after it.
+                # tuning.deferred_checkpoint: the copy to host memory before the marker, the write after it.
                 "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
                 "write_after_s": deferred_write_s(run_dir, it),
             },
@@ -319,7 +322,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
           "  (of the update; train.compile: the compile, or reading its cache)")
     if any(r["train"]["cuda_graphs_s"] for r in per_it):
         print("  CUDA graphs s        ", col("train", "cuda_graphs_s", "{:>9.1f}"),
-              "  (of the update: train.graph_layers capturing the layers)")
+              "  (of the update: tuning.train_graphs capturing the layers)")
     if all(r["train"]["host_forward_backward_s"] is not None for r in per_it):
         print("  the update's host time, rank 0 (s; the GPU runs behind the host: where the host waits for it, "
               "that part carries the GPU's time):")

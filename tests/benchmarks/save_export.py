@@ -1,6 +1,6 @@
 """Benchmark: the save stage's export of the policy train wrote before its marker, both ways.
 
-With train.deferred_checkpoint (the default) train writes the policy's weights as one safetensors
+With tuning.deferred_checkpoint (the default) train writes the policy's weights as one safetensors
 file before its marker, and the next generate waits for save's export. This writes such a file for
 a built-in preset (in --dtype), then times, --repeats times each, in one process:
 

@@ -1,6 +1,6 @@
 """Benchmark: SDPA forward + backward when every call has a new shape, per backend.
 
-Train's micro-batches grouped by length (train.max_tokens_per_micro_batch) and generate's old-log-prob
+Train's micro-batches grouped by length (tuning.max_tokens_per_micro_batch) and generate's old-log-prob
 pass give attention a new (rows, width) at almost every call. cuDNN's backend builds an execution
 plan for each new shape; this times a causal fwd+bwd over a list of shapes, then the same shapes again
 (plans cached), for each backend, in milliseconds per call.

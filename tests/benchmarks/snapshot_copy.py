@@ -1,6 +1,6 @@
 """Benchmark: copying a checkpoint's GPU tensors to host memory, the ways a deferred checkpoint could.
 
-With train.deferred_checkpoint, train copies its checkpoint's state (bf16 weights, fp32 master
+With tuning.deferred_checkpoint, train copies its checkpoint's state (bf16 weights, fp32 master
 weights, both Adam moments) to host memory before its marker; that copy is the checkpoint's cost
 on the critical path. This builds tensors of the same sizes on the GPU (--gb in all: a seventh as
 --params bf16 weights, the rest as three flat fp32 partitions, as ZeRO-1/2 keeps them), then times

@@ -10,19 +10,19 @@ A variant is colon-separated: zN (ZeRO stage N, with configs/ds_zero3_multinode.
 configs/ds_zero2_gpu.json with its stage set to N below), mB (micro-batch per GPU), and optionally
 gc (gradient checkpointing),
 kl (frozen reference forward with kl_coef 0.05), compile (DeepSpeed's engine.compile), fused
-(torch's fused RMSNorm instead of HF's forward, model.fused_rms_norm), foreach (torch's multi-tensor
+(torch's fused RMSNorm instead of HF's forward, tuning.fused_rms_norm), foreach (torch's multi-tensor
 AdamW instead of the fused one that configs/ds_zero2_gpu.json asks for with `"fused": true`),
-packed (each micro-batch's rows as one sequence, train.remove_padding), serial (ZeRO's
+packed (each micro-batch's rows as one sequence, tuning.remove_padding), serial (ZeRO's
 overlap_comm off: fewer operations per parameter in the backward),
 layers (each decoder layer compiled with Inductor, dynamic shapes: train.compile's way under ZeRO
 0-2, stages/rl/modeling.compile_layers), nocheck (bf16.check_grad_overflow off: no per-parameter
 inf/NaN pass in the optimizer step), graphs (each decoder layer's forward and backward replayed
-as a CUDA graph, every micro-batch packed to the largest's shape: train.graph_layers; with packed),
+as a CUDA graph, every micro-batch packed to the largest's shape: tuning.train_graphs; with packed),
 nonorm (ZeRO's compute_grad_norm off, no clipping: what any gradient norm costs the optimizer step;
 a bound, not a setting train offers) and flatnorm (the norm and clipping on the flat fp32 partition
-instead of DeepSpeed's per-parameter norm: train.grad_norm=flat), kernels (the attention's q/k/v and
+instead of DeepSpeed's per-parameter norm: tuning.grad_norm=flat), kernels (the attention's q/k/v and
 the MLP's gate/up each one matrix product, the rotary embedding and SiLU-times-up Triton kernels:
-model.fused_layers) and onebucket (ZeRO's reduce_bucket_size at 5e8, above small-llama's parameters: one
+tuning.fused_layers) and onebucket (ZeRO's reduce_bucket_size at 5e8, above small-llama's parameters: one
 bucket flush, and one device sync, per backward instead of one per 2e8 elements), and contiguous
 or scattered (ZeRO's contiguous_gradients on or off; configs/ds_zero2_gpu.json has it off: on, each
 gradient is copied into a bucket buffer as it comes, instead of flattened and copied back around
@@ -30,7 +30,7 @@ the reduction), and offload (the optimizer's state and step on the host, DeepSpe
 Adam: configs/ds_zero2_cpuadam.json for z2, configs/ds_zero3_offload.json for z3), and records
 (each step's loss and metrics read on the host after its step, as train does:
 stages/rl/step_records.py), and balance (the rows dealt into
-micro-batches of near-equal tokens, train.balance_tokens: with --mixed), and rehearse (the
+micro-batches of near-equal tokens, tuning.balance_tokens: with --mixed), and rehearse (the
 rehearsal of stages/rl/rehearsal.py run before the model is loaded: compare the first step's time in
 a fresh process, one variant per process), and leaf (ZeRO-3's zero_optimization.leaf_module set to the
 decoder layer's class: one parameter-gathering hook pair per layer instead of one per submodule),
@@ -229,10 +229,12 @@ def main() -> int:
         if v["rehearse"]:
             from transformers import AutoConfig
 
+            from stages.runtime.config import TuningConfig
+
             rehearsal.rehearse(AutoConfig.from_pretrained(model_dir), getattr(torch, dtype),
-                               SimpleNamespace(fused_rms_norm=v["fused"], fused_layers=v["kernels"]),
-                               SimpleNamespace(remove_padding=v["packed"], kl_coef=0.0, clip_eps=0.2,
-                                               max_grad_norm=1.0), 1.0, device)
+                               TuningConfig(fused_rms_norm=v["fused"], fused_layers=v["kernels"],
+                                            remove_padding=v["packed"]),
+                               SimpleNamespace(kl_coef=0.0, clip_eps=0.2, max_grad_norm=1.0), 1.0, device)
         if args.shape is not None:
             if v["kl"]:
                 raise SystemExit("--shape: the kl variants need a reference replica per rank; use --preset")

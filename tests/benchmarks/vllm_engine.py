@@ -61,11 +61,11 @@ def main() -> int:
     prompts = [tok(p["question"], add_special_tokens=False)["input_ids"]
                for p in synthetic_problems(args.prompts, 999, seed=0)]
     g = SimpleNamespace(attempts=args.attempts, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
-                        gpus_per_process=1, vllm_memory_fraction=args.memory_fraction,
-                        vllm_enforce_eager=args.eager, batch_size=args.batch_size)
+                        gpus_per_process=1, vllm_memory_fraction=args.memory_fraction, batch_size=args.batch_size)
     out = {"eager": args.eager, "cache": args.cache, "batch_size": args.batch_size}
     sampler = VllmSampler(models[0], models[0], "bfloat16", g, seed=0,
-                          cache_dir=Path(args.cache) if args.cache else None, sleep_mode=args.cycles > 0)
+                          cache_dir=Path(args.cache) if args.cache else None, sleep_mode=args.cycles > 0,
+                          enforce_eager=args.eager)
     out["startup"] = sampler.figures()
     print("engine start-up:", json.dumps(out["startup"]), flush=True)
 

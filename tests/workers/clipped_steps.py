@@ -3,7 +3,7 @@ and each step's gradient norm written to a file.
 
 Run as `python -m tests.workers.clipped_steps MODEL_DIR OUT_FILE key=value ...` with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Builds train's real DeepSpeed engine (its config, its
-optimizer, train.grad_norm's norm; gloo on CPU), runs every optimizer step of 24 synthetic rows
+optimizer, tuning.grad_norm's norm; gloo on CPU), runs every optimizer step of 24 synthetic rows
 through stages.train.micro_step and engine.step, records each step as train does
 (stages/rl/step_records.py), and rank 0 saves the final weights and the step records.
 """

@@ -1,5 +1,5 @@
 """One rank of tests/test_fused_layers.py's layout test: whether train's DeepSpeed engine keeps each
-layer's q, k, v weights and its gate, up weights back to back (so model.fused_layers takes them as
+layer's q, k, v weights and its gate, up weights back to back (so tuning.fused_layers takes them as
 one view, stages/rl/fused_layers.py), before and after an optimizer step.
 
 Run as `python -m tests.workers.flat_layout MODEL_DIR OUT_FILE key=value ...` with RANK, WORLD_SIZE,

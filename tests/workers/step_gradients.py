@@ -4,7 +4,7 @@ Run as `python -m tests.workers.step_gradients MODEL_DIR OUT_FILE key=value ... 
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; each OUT_FILE's settings in turn, each with an
 engine of its own over the model as loaded from MODEL_DIR. Builds train's real DeepSpeed engine (stages.train's
 config and optimizer-step plan, gloo on CPU) over a fixed synthetic train set, runs the first
-optimizer step's micro-batches (right-padded, or packed with train.remove_padding) through
+optimizer step's micro-batches (right-padded, or packed with tuning.remove_padding) through
 stages.train.micro_step, and rank 0 saves every parameter's full fp32 gradient
 (deepspeed.utils.safe_get_full_grad) as it stands at the step's boundary, then takes the step and
 saves the names of the parameters whose storage it moved.
@@ -51,7 +51,7 @@ def train_engine(model_dir: str, overrides: list[str]):
     cfg = load_config("configs/local_tiny.yaml", [f"model.path={model_dir}", *overrides])
     ctx = SimpleNamespace(cfg=cfg, iteration=0, rank=rank, world_size=world)
     model = load_policy(model_dir, "float32")
-    if cfg.train.remove_padding:
+    if cfg.tuning.remove_padding:
         packing.use_packed_attention(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(ctx))
@@ -81,7 +81,7 @@ def step_gradients(model_dir: str, out: str, overrides: list[str]) -> None:
     from stages.rl.batches import collate
 
     cfg, ctx, engine = train_engine(model_dir, overrides)
-    batch_of = packing.pack if cfg.train.remove_padding else collate
+    batch_of = packing.pack if cfg.tuning.remove_padding else collate
     storage = {name: p.data_ptr() for name, p in engine.module.named_parameters()}
     step = optimizer_steps(train_rows(), ctx)[0]
     for i, micro in enumerate(step.micro_batches):
