@@ -77,6 +77,10 @@ class DecodeStats:
     graphs: int = 0
     graph_capture_s: float = 0.0
     prefill_s: float = 0.0
+    # The decode steps' time, and the part of it while every sequence of a call was still running
+    # (read at the loop's own per-step sync: no sync of their own).
+    decode_s: float = 0.0
+    full_s: float = 0.0
     kv_bytes_read: int = 0  # K and V bytes the decode steps' attention read
     weight_bytes_read: int = 0  # parameter bytes the decode steps read (once per step)
     extra: dict = field(default_factory=dict)
@@ -373,8 +377,11 @@ class CompactDecoder:
 
         t0 = time.perf_counter()
         self._prefill(prefixes, counts, width)
-        st.prefill_s += time.perf_counter() - t0
-        b, spilled = n_seq, False
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # once a call: the prefill's own time, apart from the steps'
+        t1 = time.perf_counter()
+        st.prefill_s += t1 - t0
+        b, spilled, full = n_seq, False, True
         sizes = ladder(self.rows)
         for step in range(n_new):
             tok, lp = self._draw(b, params, generator, record_logprobs)
@@ -384,6 +391,9 @@ class CompactDecoder:
                 logprobs[:b, step] = lp
             done[:b] |= tok == params.eos_token_id
             live = int((~done[:b]).sum())  # the loop's one host sync per step
+            if full and live < n_seq:
+                full = False
+                st.full_s += time.perf_counter() - t1
             if live == 0 or step == n_new - 1:
                 break
             # Feed the drawn tokens back: written at position width + step, attending to all before it.
@@ -405,6 +415,10 @@ class CompactDecoder:
             st.decoded_positions += b
             st.kv_bytes_read += b * attend * self.kv_per_position
             st.weight_bytes_read += self.weight_bytes
+        decode_s = time.perf_counter() - t1
+        st.decode_s += decode_s
+        if full:
+            st.full_s += decode_s
         cut = []
         if spilled:
             live_rows = seq_of_row[:b][~done[:b]]

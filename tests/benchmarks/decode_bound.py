@@ -1,38 +1,74 @@
-"""The memory-bandwidth bound of decoding a set of completions, for the generation benchmarks.
+"""The roofline of sampling a set of completions, for the generation benchmarks.
 
-A decode step must read the weights once and the K/V of every position each live sequence attends
-to. The fewest bytes any engine can move for a set of (prompt, completion) lengths, decoding them
-all at once, is therefore
+Each phase of sampling is bound by the larger of two times:
 
-    steps x weight bytes + sum over new tokens of (positions before it) x K/V bytes per position
+- compute: its matrix FLOPs at the GPU's dense bf16 rate. Per token, 2 x parameters for the
+  projections, plus 4 x layers x query heads x head size x (positions it attends to) for the
+  attention's scores and weighted sum;
+- memory: its bytes at the HBM bandwidth. The weights once per forward pass, plus the K/V of every
+  position each token attends to (written once, read by every later token of its sequence).
 
-with steps = the longest completion. Divided by the device's memory bandwidth, that is the shortest
-possible sampling time; new tokens over it, the bound in new tokens/s. Prefill, sampling and the
-old-log-prob pass are left out, so a real stage stays below it.
+Phases, as an engine decoding every sequence at once would run them:
+
+- prefill: one pass over each prompt once (a prompt's attempts share it);
+- full: the decode steps while every sequence is still running (up to the shortest completion);
+- tail: the steps after that, with fewer and fewer sequences live.
+
+A decode step is bound by max(compute, memory) for the sequences live at that step; the phase's
+bound is the sum over its steps. The old-log-prob pass and sampling itself are left out, so a real
+stage stays below the bound. `bound` is the memory time alone (the figure earlier entries of
+docs/benchmarks.md give).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 # H200 SXM HBM3e, datasheet. About 4.3e12 is measured on large copies (../shared/NOTES.md).
 HBM_BYTES_PER_S = 4.8e12
+# H100/H200 SXM dense bf16 (stages/rl/flops.py's PEAK_FLOPS).
+PEAK_FLOPS = 989e12
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the roofline needs of a model: parameters, bytes, and the attention's dimensions."""
+    params: int
+    weight_bytes: int
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+
+    @property
+    def kv_per_position(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
+
+
+def model_shape(model_dir: Path) -> Shape:
+    """The Shape of the HF model in model_dir, from its files alone."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    q_heads = config["num_attention_heads"]
+    itemsize = {"float32": 4}.get(config.get("dtype") or config.get("torch_dtype"), 2)
+    return Shape(params=weights // itemsize, weight_bytes=weights, layers=config["num_hidden_layers"],
+                 q_heads=q_heads, kv_heads=config.get("num_key_value_heads") or q_heads,
+                 head_dim=config.get("head_dim") or config["hidden_size"] // q_heads, itemsize=itemsize)
 
 
 def model_bytes(model_dir: Path) -> tuple[int, int]:
-    """(weight bytes, K/V bytes per position) of the HF model in model_dir, from its files alone."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    itemsize = {"float32": 4}.get(config.get("dtype") or config.get("torch_dtype"), 2)
-    return weights, 2 * config["num_hidden_layers"] * heads * head_dim * itemsize
+    """(weight bytes, K/V bytes per position) of the HF model in model_dir."""
+    shape = model_shape(model_dir)
+    return shape.weight_bytes, shape.kv_per_position
 
 
 def bound(pairs: list[tuple[int, int]], weight_bytes: int, kv_per_position: int,
           bandwidth: float = HBM_BYTES_PER_S) -> dict:
-    """pairs: (prompt length, completion length) per sequence."""
+    """The memory time alone of decoding `pairs` (prompt length, completion length per sequence) all
+    at once: the weights once per step, the K/V each new token attends to."""
     steps = max((c for _, c in pairs), default=0)
     kv = sum(kv_per_position * (c * p + c * (c - 1) // 2) for p, c in pairs)
     total = steps * weight_bytes + kv
@@ -40,3 +76,52 @@ def bound(pairs: list[tuple[int, int]], weight_bytes: int, kv_per_position: int,
     seconds = total / bandwidth
     return {"bytes": total, "kv_bytes": kv, "weight_bytes": steps * weight_bytes, "seconds": seconds,
             "new_tokens_per_s": new / seconds if seconds else 0.0, "bandwidth": bandwidth}
+
+
+def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flops: float = PEAK_FLOPS,
+             bandwidth: float = HBM_BYTES_PER_S) -> dict:
+    """Per phase (prefill, full, tail) and in all: compute seconds, memory seconds, the bound
+    (seconds), the decode steps and whether compute or memory binds most of them. `pairs` are in
+    prompt order, `attempts` consecutive sequences per prompt (as generate's rows are)."""
+    attn = 4 * shape.layers * shape.q_heads * shape.head_dim  # FLOPs per (token, position attended)
+    kv = shape.kv_per_position
+    prompts = [p for p, _ in pairs[::attempts]]
+    # Prefill: causal attention over each prompt (position i attends to i + 1 positions).
+    flops = sum(2 * shape.params * p + attn * p * (p + 1) // 2 for p in prompts)
+    memory = shape.weight_bytes + sum(kv * p for p in prompts)  # the weights once, each prompt's K/V written
+    phases = {"prefill": _phase(flops / peak_flops, memory / bandwidth, 1 if prompts else 0, 0)}
+    # Decode step k (k = 1 .. longest - 1; the first new token comes from the prefill's logits) runs
+    # the sequences with more than k new tokens, each attending to its prompt and k tokens.
+    by_length = sorted(pairs, key=lambda pc: pc[1], reverse=True)
+    shortest = min((c for _, c in pairs), default=0)
+    longest = by_length[0][1] if by_length else 0
+    live, prefix, i = 0, 0, 0  # live sequences at step k, and the sum of their prompt lengths
+    acc = {"full": [0.0, 0.0, 0.0, 0, 0], "tail": [0.0, 0.0, 0.0, 0, 0]}
+    for k in range(longest - 1, 0, -1):  # from the last step back, adding sequences as they become live
+        while i < len(by_length) and by_length[i][1] > k:
+            live += 1
+            prefix += by_length[i][0]
+            i += 1
+        attended = prefix + live * (k + 1)
+        compute = (2 * shape.params * live + attn * attended) / peak_flops
+        mem = (shape.weight_bytes + kv * attended) / bandwidth
+        a = acc["full" if k < shortest else "tail"]
+        a[0] += compute
+        a[1] += mem
+        a[2] += max(compute, mem)
+        a[3] += 1
+        a[4] += compute > mem
+    for name, (compute, mem, b, steps, compute_bound) in acc.items():
+        phases[name] = _phase(compute, mem, steps, compute_bound, b)
+    total = sum(ph["bound_s"] for ph in phases.values())
+    new = sum(c for _, c in pairs)
+    return {"phases": phases, "bound_s": total, "new_tokens_per_s": new / total if total else 0.0,
+            "peak_flops": peak_flops, "bandwidth": bandwidth}
+
+
+def _phase(compute_s: float, memory_s: float, steps: int, compute_bound: int, bound_s: float | None = None) -> dict:
+    if bound_s is None:
+        bound_s = max(compute_s, memory_s)
+        compute_bound = int(compute_s > memory_s) if steps else 0
+    return {"compute_s": compute_s, "memory_s": memory_s, "bound_s": bound_s, "steps": steps,
+            "compute_bound_steps": compute_bound}

@@ -9,7 +9,8 @@ what the stage did before), `compiled:batch_size=512`, `paged`, `dynamic:batch_s
 
 Prints per mode: the first call's wall time, new tokens/s (up to end-of-sequence), decoded
 positions/s (rows that decode steps ran, finished rows included), the sampling and log-prob-pass
-split, and the memory-bandwidth bound for the same completions (tests/benchmarks/decode_bound.py).
+split, the memory-bandwidth bound for the same completions, and the roofline per phase (prefill, all
+sequences running, the tail) against the compact sampler's own times (tests/benchmarks/decode_bound.py).
 
     python tests/benchmarks/generate_cache.py [--preset small-llama] [--prompts 256] [--attempts 8]
         [--new-tokens 512] [--repeats 0] [--modes compact,static:batch_size=512]
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, bound, model_bytes  # noqa: E402
+from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, PEAK_FLOPS, bound, model_shape, roofline  # noqa: E402
 
 DEFAULT_MODES = "compact,compact:decode_graphs=false,static:batch_size=512"
 
@@ -44,6 +45,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=0, help="calls after the first, in the same process")
     parser.add_argument("--modes", default=DEFAULT_MODES)
     parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s, for the bound")
+    parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="dense bf16 FLOP/s, for the roofline")
     parser.add_argument("--json", default=None)
     parser.add_argument("--matmul-below", type=int, default=None,
                         help="decode steps attending to fewer positions use the batched-products attention "
@@ -64,7 +66,8 @@ def main() -> int:
 
     model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset,
                                   dtype=args.dtype)
-    weights, kv = model_bytes(model_dir)
+    shape = model_shape(model_dir)
+    weights, kv = shape.weight_bytes, shape.kv_per_position
     print(f"{args.preset}, {args.dtype}: {args.prompts} prompts x {args.attempts} samples = "
           f"{args.prompts * args.attempts} sequences, up to {args.new_tokens} new tokens; one process per mode; "
           f"bound at {args.bandwidth / 1e12:.1f} TB/s", flush=True)
@@ -81,8 +84,10 @@ def main() -> int:
             print(f"{mode:<28} failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
         r = json.loads(lines[-1][len("RESULT "):])
-        b = bound(r.pop("pairs"), weights, kv, args.bandwidth)
+        pairs = r.pop("pairs")
+        b = bound(pairs, weights, kv, args.bandwidth)
         r["bound"] = b
+        r["roofline"] = roofline(pairs, args.attempts, shape, args.peak_flops, args.bandwidth)
         results[mode] = r
         cold = r["calls"][0]
         warm = r["calls"][1:]
@@ -99,6 +104,7 @@ def main() -> int:
                   f"{s.get('compactions')}, graphs {s.get('graphs')} ({s.get('graph_capture_s', 0):.2f}s to capture), "
                   f"prefill {s.get('prefill_s', 0):.2f}s; peak GPU {r['peak_gib']:.1f} GiB; "
                   f"process start to first call done {r['first_call_done_s']:.1f}s", flush=True)
+            print(f"{'':<28} {roofline_line(r['roofline'], s, cold['sample_s'])}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
@@ -156,6 +162,21 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
             pairs = [(len(r["prompt_ids"]), len(r["completion_ids"])) for r in rows]
     peak = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
     return {"first_call_done_s": first_done, "calls": calls, "pairs": pairs, "peak_gib": peak}
+
+
+def roofline_line(rf: dict, stats: dict, sample_s: float | None) -> str:
+    """The roofline per phase against the sampler's own times (the compact sampler's stats)."""
+    ph = rf["phases"]
+    measured = {"prefill": stats.get("prefill_s"), "full": stats.get("full_s"),
+                "tail": (stats["decode_s"] - stats["full_s"]) if "decode_s" in stats else None}
+    parts = []
+    for name in ("prefill", "full", "tail"):
+        m, bnd = measured[name], ph[name]["bound_s"]
+        share = f", {bnd / m:.0%} of it" if m else ""
+        bound_by = "compute" if ph[name]["compute_bound_steps"] * 2 > ph[name]["steps"] else "memory"
+        parts.append(f"{name} {bnd:.3g}s ({bound_by}; sampler {'-' if m is None else f'{m:.3g}s'}{share})")
+    whole = f"; all {rf['bound_s']:.3g}s, {rf['bound_s'] / sample_s:.1%} of sampling" if sample_s else ""
+    return "roofline: " + ", ".join(parts) + whole
 
 
 def fmt_s(x) -> str:

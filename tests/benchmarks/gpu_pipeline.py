@@ -42,13 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from stages.runtime import pipeline  # noqa: E402 (needs ROOT on the path)
 from stages.runtime.paths import STAGES  # noqa: E402
-from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, bound, model_bytes  # noqa: E402
+from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, PEAK_FLOPS, model_shape, roofline  # noqa: E402
 # The vLLM engine's figures in the generate marker, as the report names them.
 ENGINE_FIGURES = {"engine_start_s": "start-up, in all", "weights_s": "weights loaded", "compile_s": "torch.compile",
                   "graph_capture_s": "CUDA graphs", "init_engine_s": "profile+KV+warmup",
                   "wake_weights_s": "wake: weights", "reload_s": "load new weights", "wake_cache_s": "wake: KV cache",
                   "engine_sample_s": "sampling, engine", "sleep_s": "sleep"}
-PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100/H200 SXM datasheet
 
 
 UPDATE_HOST = {"batches_s": "batches", "forward_backward_s": "forward+backward", "optimizer_step_s": "optimizer step",
@@ -145,6 +144,24 @@ def generate_positions(run_dir: Path, it: int, cfg: dict, markers: list[dict]) -
     return total, pairs
 
 
+def roofline_shares(bounds: list[dict], markers: list[dict]) -> dict:
+    """The roofline's time over the sampler's, mean over ranks: in all and per phase (where the
+    marker has the compact sampler's own times)."""
+    shares = {}
+    for phase in ("all", "prefill", "full", "tail"):
+        values = []
+        for b, m in zip(bounds, markers):
+            s = m.get("sampling", {})
+            took = {"all": s.get("sample_s", m.get("generate_s")), "prefill": s.get("prefill_s"),
+                    "full": s.get("full_s"),
+                    "tail": s["decode_s"] - s["full_s"] if "decode_s" in s and "full_s" in s else None}[phase]
+            bound_s = b["bound_s"] if phase == "all" else b["phases"][phase]["bound_s"]
+            if took:
+                values.append(bound_s / took)
+        shares[phase] = fmean(values) if values else None
+    return shares
+
+
 def train_positions(run_dir: Path, it: int, cfg: dict, world: int) -> int | None:
     """Positions the training forward/backward ran, right padding included (train's own batching;
     with tuning.remove_padding, the rows' own lengths)."""
@@ -190,7 +207,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     n_params, n_total = non_embedding_params(run_dir / "models" / "base")
-    weight_bytes, kv_per_position = model_bytes(run_dir / "models" / "base")
+    shape = model_shape(run_dir / "models" / "base")
     per_it = []
     for it in range(iterations):
         m = {s: read_json(run_dir / f"iter_{it:05d}" / "markers" / f"{s}.done") for s in STAGES}
@@ -200,7 +217,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         gen_tokens = sum(r["new_tokens"] for r in gen)
         gen_s = max(r["generate_s"] for r in gen)
         gen_pos, pairs = generate_positions(run_dir, it, cfg, gen)
-        bounds = [bound(p, weight_bytes, kv_per_position) for p in pairs]
+        bounds = [roofline(p, cfg["generate"]["attempts"], shape) for p in pairs]
         tr = train[0]
         train_s = max(r["train_s"] for r in train)
         tokens = tr["tokens"]  # all ranks (all-reduced)
@@ -222,8 +239,10 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "tokens_per_s": gen_tokens / gen_s, "tokens_per_s_per_gpu": fmean(r["tokens_per_s"] for r in gen),
                 "import_s": max(r.get("import_s", 0.0) for r in gen),
                 "positions": gen_pos, "positions_per_s_per_gpu": gen_pos / gen_s / len(gen),
-                # The memory-bandwidth bound of decoding the same completions (decode_bound.py), per GPU.
+                # The roofline of sampling the same completions (decode_bound.py), per GPU, and each
+                # rank's sampling time as a share of it, per phase (the compact sampler's own times).
                 "bound_tokens_per_s_per_gpu": fmean(b["new_tokens_per_s"] for b in bounds),
+                "of_roofline": roofline_shares(bounds, gen),
                 "sample_s": max(r.get("sampling", {}).get("sample_s", r["generate_s"]) for r in gen),
                 "logprob_pass_s": max(r.get("sampling", {}).get("logprob_pass_s", 0.0) for r in gen),
                 "graph_capture_s": max(r.get("sampling", {}).get("graph_capture_s", 0.0) for r in gen),
@@ -307,8 +326,13 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         for k in engine_keys:
             print(f"    {ENGINE_FIGURES[k]:<19}", "  ".join(f"{r['generate']['engine'][k]:>9.2f}" if k in
                                                          r["generate"]["engine"] else f"{'-':>9}" for r in per_it))
-    print(f"  (bound: weights once per decode step + the K/V each new token attends to, at "
-          f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s; tests/benchmarks/decode_bound.py)")
+    for phase in ("all", "prefill", "full", "tail"):
+        print(f"    of roofline, {phase:<7}", "  ".join(
+            f"{r['generate']['of_roofline'][phase]:>9.1%}" if r["generate"]["of_roofline"].get(phase) is not None
+            else f"{'-':>9}" for r in per_it))
+    print(f"  (roofline: per phase the larger of its FLOPs at {PEAK_FLOPS / 1e12:.0f} TFLOP/s and its bytes, the "
+          f"weights once per pass + the K/V each token attends to, at {HBM_BYTES_PER_S / 1e12:.1f} TB/s; full: every "
+          "sequence running, tail: after the first stopped; tests/benchmarks/decode_bound.py)")
     print("\ntrain")
     print("  optimizer steps      ", col("train", "steps", "{:>9d}"))
     print("  tokens (loss)        ", col("train", "tokens", "{:>9d}"))

@@ -1,0 +1,43 @@
+"""The generation benchmarks' roofline (tests/benchmarks/decode_bound.py), checked by hand on small cases."""
+
+import pytest
+
+from tests.benchmarks.decode_bound import Shape, bound, roofline
+
+# 1e9 parameters in bf16, 2 layers of 4 query and 2 K/V heads of 8: K/V bytes per position
+# 2 (K and V) x 2 layers x 2 heads x 8 x 2 bytes = 128.
+SHAPE = Shape(params=10**9, weight_bytes=2 * 10**9, layers=2, q_heads=4, kv_heads=2, head_dim=8, itemsize=2)
+
+
+def test_each_phase_is_the_larger_of_its_compute_and_its_memory_time():
+    # One prompt of 10 tokens, two attempts: completions of 3 and 5 new tokens.
+    rf = roofline([(10, 3), (10, 5)], attempts=2, shape=SHAPE, peak_flops=1.5e12, bandwidth=1e12)
+    attn = 4 * 2 * 4 * 8  # FLOPs per (token, position attended)
+    prefill = rf["phases"]["prefill"]
+    assert prefill["compute_s"] == pytest.approx((2 * 10**9 * 10 + attn * 55) / 1.5e12)  # the prompt once
+    assert prefill["memory_s"] == pytest.approx((2 * 10**9 + 128 * 10) / 1e12)
+    assert prefill["bound_s"] == prefill["compute_s"]  # 10 tokens x 2 FLOPs a parameter beat one weight read
+    # Steps 1-2: both sequences running; steps 3-4: only the longer one.
+    full, tail = rf["phases"]["full"], rf["phases"]["tail"]
+    assert (full["steps"], tail["steps"]) == (2, 2)
+    attended = {1: 2 * (10 + 2), 2: 2 * (10 + 3), 3: 10 + 4, 4: 10 + 5}
+    rows = {1: 2, 2: 2, 3: 1, 4: 1}
+
+    def step(k):
+        return max((2 * 10**9 * rows[k] + attn * attended[k]) / 1.5e12, (2 * 10**9 + 128 * attended[k]) / 1e12)
+    assert full["bound_s"] == pytest.approx(step(1) + step(2))
+    assert tail["bound_s"] == pytest.approx(step(3) + step(4))
+    assert full["compute_bound_steps"] == 2 and tail["compute_bound_steps"] == 0  # 2 rows: 4e9 FLOPs at 1.5e12 > 2e9 bytes at 1e12; 1 row: <
+    assert rf["bound_s"] == pytest.approx(prefill["bound_s"] + full["bound_s"] + tail["bound_s"])
+    assert rf["new_tokens_per_s"] == pytest.approx(8 / rf["bound_s"])
+
+
+def test_a_decode_bound_workload_sits_on_the_memory_roof():
+    # Many short rows on a large model: every step reads the weights, few FLOPs per byte.
+    pairs = [(100, 200)] * 8
+    rf = roofline(pairs, attempts=8, shape=SHAPE)
+    steps = rf["phases"]["full"]["steps"]
+    assert steps == 199 and rf["phases"]["full"]["compute_bound_steps"] == 0
+    memory_only = bound(pairs, SHAPE.weight_bytes, SHAPE.kv_per_position)
+    # The same bytes as the bandwidth bound, within a step's weights (it counts the prefill's token too).
+    assert rf["phases"]["full"]["memory_s"] == pytest.approx(memory_only["seconds"], rel=0.01)
