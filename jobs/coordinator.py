@@ -160,6 +160,7 @@ class Coordinator:
             self._stop_started()
             self.engines.stop()
             signal.signal(signal.SIGTERM, previous)
+            signal.setitimer(signal.ITIMER_REAL, 0)  # a deferred SIGTERM (_terminate) is moot now
             self.metrics.close()
             lock.release()
 
@@ -588,9 +589,30 @@ def coordinate(cfg, launcher_kind: str, action, lock=None) -> int:
     return 0
 
 
+# Code that must not be unwound mid-way: an exception raised inside logging can leave its lock held
+# (then every thread that logs hangs, the W&B client's at exit among them), and one raised in a
+# weakref callback (logging's handler cleanup) is swallowed, so the coordinator would go on.
+_UNSAFE_TO_UNWIND = (f"{os.sep}logging{os.sep}", f"{os.sep}weakref.py")
+_RETRY_S = 0.05
+
+
 def _terminate(signum, frame):
-    # SIGTERM (scancel, a time limit) unwinds like Ctrl-C so launchers kill their children.
+    """SIGTERM (scancel, a time limit, the sbatch script's USR2 trap) unwinds like Ctrl-C so launchers
+    kill their children; arriving inside logging or a weakref callback, it is raised again moments
+    later, once that code has run (SIGALRM, until a safe frame is reached)."""
+    if _unsafe(frame):
+        signal.signal(signal.SIGALRM, lambda _s, f: _terminate(signum, f))
+        signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+        return
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _unsafe(frame) -> bool:
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _UNSAFE_TO_UNWIND):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def setup_coordinator_logging() -> None:
