@@ -110,6 +110,14 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
     assert all(it["train"]["preload_late_s"] >= 0 for it in figures["iterations"])
     exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
     assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save", "persist"]) and min(exits.values()) >= 0
+    assert "critical path, s" in out
+    for it in figures["iterations"]:  # the stages' spans add up to the iteration, their parts to each span
+        path = it["critical_path"]
+        assert sum(p["span_s"] for p in path.values()) == pytest.approx(it["iteration_s"])
+        for p in path.values():
+            assert sum(v for k, v in p.items() if k != "span_s") == pytest.approx(p["span_s"])
+            assert p["start"] >= 0 and p["exit"] >= 0 and p["work"] > 0
+        assert path["train"]["model load"] > 0 and path["generate"]["model load"] > 0
 
 
 def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_path):

@@ -283,6 +283,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
                     | {k: m["save"].get(k) for k in ("verify_s", "export")},
             "reward_mean": stats.get("reward_mean"),
+            "critical_path": critical_path(run_dir, it, m),
         })
 
     print(f"\nrun dir: {run_dir}")
@@ -391,6 +392,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         print(f"  {stage:<21}", "  ".join(f"{r['exit_s'][stage]:>9.2f}" for r in per_it))
     print("\niteration wall s (generate's turn to save's marker)",
           "  ".join(f"{r['iteration_s']:>9.1f}" for r in per_it), f"  | mean {fmean(r['iteration_s'] for r in per_it):.1f}")
+    print_critical_path(per_it)
     print("\nnon-compute share of the iteration: 1 - (sampling + update) / iteration wall")
     shares = [1 - r["compute_s"] / r["iteration_s"] for r in per_it]
     print("  share                ", "  ".join(f"{x:>9.1%}" for x in shares), f"  | mean {fmean(shares):.1%}")
@@ -401,6 +403,61 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
     return {"run_dir": str(run_dir), "non_embedding_params": n_params, "non_compute_share": shares,
             "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak,
             "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
+
+
+# The parts of a stage's time on the critical path, in the order they happen.
+PATH_PARTS = ("start", "process group", "model load", "resume", "warm-up", "work", "checkpoint", "exit", "other")
+CRITICAL_STAGES = ("generate", "score", "gather", "train", "save")
+
+
+def critical_path(run_dir: Path, it: int, m: dict) -> dict:
+    """Where each second of the iteration went, stage by stage: from the stage's turn (the previous
+    stage's marker; generate's own start) to its marker, the slowest rank's parts. start: its
+    process's launch and imports, or for one started early, how late it saw its turn; exit: from the
+    last rank's marker to the stage's; other: the rest of the span (reading inputs, writing outputs;
+    below zero where a process started early saw its turn before the coordinator did). The stages'
+    spans add up to the iteration (generate's turn to save's marker)."""
+    out = {}
+    turn = m["generate"]["start"]
+    for stage in CRITICAL_STAGES:
+        ranks = rank_markers(run_dir, it, stage)
+        last = max(ranks, key=lambda r: r["end"])
+        span = m[stage]["end"] - turn
+        parts = dict.fromkeys(PATH_PARTS, 0.0)
+        parts["start"] = max(0.0, min(span, last["start"] - turn))
+        parts["exit"] = max(0.0, m[stage]["end"] - last["end"])
+        if stage == "generate":
+            sampling = last.get("sampling", {})
+            parts["model load"] = last.get("load_s", 0.0)
+            parts["warm-up"] = sampling.get("graph_capture_s", 0.0)
+            parts["work"] = last.get("generate_s", 0.0) - parts["warm-up"]
+        elif stage == "train":
+            phases = last.get("startup_phases", {})
+            parts["process group"] = phases.get("process_group", 0.0)
+            parts["model load"] = sum(phases.get(k, 0.0) for k in ("import_deepspeed", "load_models",
+                                                                   "deepspeed_initialize"))
+            parts["resume"] = phases.get("resume_checkpoint", 0.0)
+            parts["warm-up"] = last.get("cuda_graphs_s", 0.0)
+            parts["work"] = last.get("train_s", 0.0) - parts["warm-up"]
+            parts["checkpoint"] = last.get("checkpoint_s", 0.0)
+        else:
+            parts["work"] = last["end"] - last["start"]
+        parts["other"] = span - sum(parts.values())
+        out[stage] = {"span_s": span, **parts}
+        turn = m[stage]["end"]
+    return out
+
+
+def print_critical_path(per_it: list[dict]) -> None:
+    print("\ncritical path, s (each stage from its turn to its marker; the stages add up to the iteration):")
+    print(f"  {'stage':<9} {'part':<14}", "  ".join(f"{'it ' + str(r['iteration']):>9}" for r in per_it))
+    for stage in CRITICAL_STAGES:
+        print(f"  {stage:<9} {'span':<14}", "  ".join(f"{r['critical_path'][stage]['span_s']:>9.2f}" for r in per_it))
+        for part in PATH_PARTS:
+            if any(abs(r["critical_path"][stage][part]) >= 0.005 for r in per_it):
+                print(f"  {'':<9} {part:<14}", "  ".join(f"{r['critical_path'][stage][part]:>9.2f}" for r in per_it))
+    print(f"  {'all':<9} {'iteration':<14}", "  ".join(
+        f"{sum(r['critical_path'][s]['span_s'] for s in CRITICAL_STAGES):>9.2f}" for r in per_it))
 
 
 def visible_import_s(marker: dict) -> float:
