@@ -20,7 +20,7 @@ from jobs.launchers import group_problem, launcher_kind
 from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
                                   to_dict, zero_stage)
 from stages.runtime import reward_plugin
-from stages.runtime.data import read_jsonl_problems
+from stages.runtime.data import CHAT_TEMPLATE_FIX, read_jsonl_problems
 from stages.runtime.dist import allocation
 from stages.runtime.paths import RunPaths
 
@@ -197,8 +197,7 @@ def _check_chat_template(cfg: RunConfig) -> list[str]:
     tokenizer_config.json, or a chat_template.jinja / .json file beside it), without loading it."""
     if not cfg.data.chat_template:
         return []
-    fix = ("use an instruct model's tokenizer (model.path or model.tokenizer), or set data.chat_template=false and "
-           "write the model's prompt format in data.prompt_template")
+    fix = CHAT_TEMPLATE_FIX
     m = cfg.model
     if not m.path and not m.tokenizer:
         return [f"data.chat_template is true but the built-in preset's character tokenizer has no chat template: {fix}"]

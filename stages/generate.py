@@ -104,7 +104,7 @@ def sample_rows(model, tokenizer, items: list[dict], g, device, sampler=None, ra
         return sample_with(sampler, model, tokenizer, items, g, device)
     if g.cache == "compact":
         t0 = time.time()
-        prompt_ids = unpadded_prompt_ids(tokenizer, items)
+        prompt_ids = unpadded_prompt_ids(items)
         completions, logprobs, stats = sample_compact(model, tokenizer, prompt_ids, g, device, tuning)
         stats["sample_s"] = time.time() - t0
         rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
@@ -130,7 +130,7 @@ def sample_with(sampler, model, tokenizer, items: list[dict], g, device) -> tupl
     """Rows from one call of a vLLM sampler for every prompt of the shard (the engine schedules its
     own batches: generate.batch_size caps them), then the policy's pass for the old log-probs."""
     t0 = time.time()
-    prompt_ids = unpadded_prompt_ids(tokenizer, items)
+    prompt_ids = unpadded_prompt_ids(items)
     completions = sampler.sample(prompt_ids, g, tokenizer.eos_token_id, call_seed())
     stats = {"sample_s": time.time() - t0, "engine": sampler.figures()}
     rows = completion_rows(tokenizer, items, g, prompt_ids, completions)
@@ -207,7 +207,7 @@ def add_logprobs(rows: list[dict], per_row: list[list[float]]) -> None:
         r["logprobs"] = [round(x, 6) for x in logprobs]
 
 
-def unpadded_prompt_ids(tokenizer, items: list[dict]) -> list[list[int]]:
+def unpadded_prompt_ids(items: list[dict]) -> list[list[int]]:
     """Each prompt's token ids on its own, for samplers that take prompts of different lengths."""
     return [it["prompt_ids"] for it in items]
 
@@ -222,7 +222,7 @@ def sample_generate(model, tokenizer, items: list[dict], g, device) -> tuple[lis
     """HF generate over the left-padded batch: (prompt ids per prompt, completion ids per sequence, in
     prompt order, `attempts` consecutive sequences per prompt; each runs to the longest one's end)."""
     # Left padding keeps every prompt's last token at the same position, which batched decoding needs.
-    prompt_ids = unpadded_prompt_ids(tokenizer, items)
+    prompt_ids = unpadded_prompt_ids(items)
     width = max(len(p) for p in prompt_ids)
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)

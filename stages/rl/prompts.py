@@ -10,6 +10,7 @@ tokens the tokenizer puts before any text (a Llama tokenizer's BOS), as the mode
 from __future__ import annotations
 
 from stages.runtime.config import ConfigError, DataConfig
+from stages.runtime.data import CHAT_TEMPLATE_FIX
 
 
 def encode(tokenizer, items: list[dict], data: DataConfig, tokenizer_path) -> None:
@@ -36,8 +37,7 @@ def render_chat(tokenizer, text: str, system_prompt: str = "") -> str:
 def check_chat_template(tokenizer, tokenizer_path) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"data.chat_template is true but the tokenizer in {tokenizer_path} has no chat template: "
-                          "use an instruct model's tokenizer (model.tokenizer), or set data.chat_template=false and "
-                          "write the model's prompt format in data.prompt_template")
+                          f"{CHAT_TEMPLATE_FIX}")
 
 
 def leading_special_ids(tokenizer) -> list[int]:

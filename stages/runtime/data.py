@@ -15,6 +15,10 @@ from pathlib import Path
 from stages.runtime.answer import reference_answer
 from stages.runtime.config import ConfigError, DataConfig, read_text_file
 
+# What to do when data.chat_template is on and the tokenizer has no template (check and generate say it).
+CHAT_TEMPLATE_FIX = ("use an instruct model's tokenizer (model.path or model.tokenizer), or set data.chat_template=false "
+                     "and write the model's prompt format in data.prompt_template")
+
 # What a row's answer field must hold, per data.answer_format, in an error's words.
 FORMAT_NEEDS = {
     "gsm8k": "a worked solution ending with '#### <answer>' (GSM8K format)",

@@ -59,12 +59,6 @@ def model_shape(model_dir: Path) -> Shape:
                  head_dim=config.get("head_dim") or config["hidden_size"] // q_heads, itemsize=itemsize)
 
 
-def model_bytes(model_dir: Path) -> tuple[int, int]:
-    """(weight bytes, K/V bytes per position) of the HF model in model_dir."""
-    shape = model_shape(model_dir)
-    return shape.weight_bytes, shape.kv_per_position
-
-
 def bound(pairs: list[tuple[int, int]], weight_bytes: int, kv_per_position: int,
           bandwidth: float = HBM_BYTES_PER_S) -> dict:
     """The memory time alone of decoding `pairs` (prompt length, completion length per sequence) all
