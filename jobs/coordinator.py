@@ -229,13 +229,29 @@ class Coordinator:
 
     def _start_background(self, it: int, stage: str) -> None:
         """Start a background stage (the table's done_before) and return; run_stage joins it later."""
-        if (it, stage) in self.background or self._needs_doing(it, stage) is None:
+        if (it, stage) in self.background:
+            return
+        inputs = self._needs_doing(it, stage)
+        if inputs is None:
             return
         attempt = self.paths.attempts_so_far(it, stage) + 1
+        if stage == "persist" and not local_checkpoints.recorded(self.paths, it):
+            self._nothing_to_persist(it, inputs, attempt)
+            return
         self._write_state(it, stage, "running", attempt)
         self.background[(it, stage)] = (self._start(it, stage, attempt), attempt, time.time())
         log.info("iteration %d %-8s started in the background (attempt %d on %d task(s))", it, stage, attempt,
                  self.launcher.ntasks(stage))
+
+    def _nothing_to_persist(self, it: int, inputs: str, attempt: int) -> None:
+        """Persist of an iteration whose train wrote its checkpoint to the run dir itself: marked done
+        here, as its tasks would mark it, without starting a process per node beside the next stages."""
+        start = time.time()
+        summary = f"nothing to persist: train wrote checkpoints/{self.paths.checkpoint_tag(it)} to the run dir"
+        for rank in range(self.launcher.ntasks("persist")):
+            markers.write_marker(self.paths, it, "persist", rank, attempt=attempt, start=start, config_hash=self.chash,
+                                 inputs=inputs, outputs={}, extra={"summary": summary})
+        self._write_stage_marker(it, "persist", inputs, start, attempt)
 
     def _join_background_before(self, it: int, stage: str) -> None:
         """Finish the background stages that must be done before `stage` of iteration `it` starts."""
@@ -252,6 +268,10 @@ class Coordinator:
             return 0.0
         if stage == "train" and it > 0:
             self._deferred_checkpoint_of(it - 1)  # what this train resumes from
+        if stage == "persist":
+            # What it copies, where train writes its node-local checkpoint after its marker: a writer
+            # that failed redoes that train, and the persist waiting on it is stopped.
+            self._deferred_checkpoint_of(it)
         if pipeline.stage(stage).gpu:
             self._join_exiting(before=stage)
         self._start_successors_early(it, stage)

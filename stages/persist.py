@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ def main(ctx: StageContext) -> None:
                           f"is off for this process: give it the run's setting (see {paths.config})")
     folder = store / tag
     problem = local.problem(folder, recorded["id"])
+    if problem and local.deferred(paths, it):
+        problem = wait_for_train_write(ctx, folder, store / paths.checkpoint_staging_tag(it), recorded["id"])
     if problem:
         raise MissingInput(
             f"node {node}: the node-local checkpoint of iteration {it} is not there whole: {problem}. The node's "
@@ -86,6 +89,33 @@ def main(ctx: StageContext) -> None:
     outputs = [target] if ctx.rank == 0 else []
     ctx.write_marker(outputs, extra={"bytes": size, "copy_s": copy_s, "pruned": pruned,
                                      "prunable": [f"checkpoints/{tag}/"]})
+
+
+def wait_for_train_write(ctx: StageContext, folder: Path, staging: Path, checkpoint_id: str) -> str | None:
+    """Wait for train to publish this node's copy, which it writes after its marker beside save and
+    this stage, as long as its staging folder keeps growing within train.timeout_s (train's own
+    no-progress watchdog); returns why the copy is not there whole then (None once it is). A writer
+    that dies is the coordinator's to see: it stops this stage and redoes train."""
+    log.info("waiting for train to write iteration %d's checkpoint on this node (%s)", ctx.iteration, folder)
+    seen, since = None, time.time()
+    while problem := local.problem(folder, checkpoint_id):
+        sizes = file_sizes(staging)
+        if sizes != seen:
+            seen, since = sizes, time.time()
+        elif time.time() - since > ctx.cfg.train.timeout_s:
+            return f"{problem}, and train's write made no progress in {ctx.cfg.train.timeout_s}s (train.timeout_s)"
+        time.sleep(0.5)
+    return None
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Name -> size of the files in `folder` now (none once it is renamed away)."""
+    sizes = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                sizes[entry.name] = entry.stat().st_size
+    return sizes
 
 
 def copy_share(ctx: StageContext, folder: Path, staging: Path) -> dict[str, int]:

@@ -94,15 +94,18 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
 
 
 @pytest.mark.slow
-def test_a_writer_killed_mid_write_redoes_its_train(runs, tmp_path):
+@pytest.mark.parametrize("where", ["run_dir", "node_local"])
+def test_a_writer_killed_mid_write_redoes_its_train(runs, tmp_path, where):
     """Train's rank 1 of iteration 0 is killed after its marker, while it waits to write (tests/slow_write):
     the next train's turn finds the checkpoint missing, and the run redoes train 0, its save and
-    iteration 1, to the weights of an undisturbed run."""
+    iteration 1, to the weights of an undisturbed run. Node-local (train.local_checkpoint_dir), the
+    persist stage waiting for that node's copy is stopped and redone too."""
     deferred, _ = runs
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_write"), str(ROOT)]),
                SYNCRL_TEST_SLOW_WRITE="0:1:120")
-    proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    local = [f"train.local_checkpoint_dir={tmp_path / 'store'}"] if where == "node_local" else []
+    proc = subprocess.Popen(command(run_dir, *local), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
     try:
         # Killed once the coordinator counted train done (its stage marker): killed before, the rank
@@ -116,16 +119,22 @@ def test_a_writer_killed_mid_write_redoes_its_train(runs, tmp_path):
         proc.kill()
     recover = time.time() - t0
     assert proc.returncode == 0, stderr[-4000:]
+    lost = ".*iter_00000 holds no complete checkpoint" if where == "run_dir" else \
+        r"1 of 1 node\(s\) have not written their node-local copy of iteration 0's checkpoint \(written: none\)"
     assert re.search(r"iteration 0 train attempt 1 wrote its marker, then failed on rank\(s\) [0-9,]+ writing its "
-                     r"checkpoint: .*iter_00000 holds no complete checkpoint", stderr), \
+                     r"checkpoint: " + lost, stderr), \
         "\n".join(line for line in stderr.splitlines() if "coordinator" in line)[-4000:]
     assert "iteration 0 train: redoing it, its save and iteration 1's stages" in stderr
     assert attempts(run_dir, 0, "train") == ["attempt_1", "attempt_2"]
     assert attempts(run_dir, 0, "generate") == ["attempt_1"]  # completed before the train: kept
     assert attempts(run_dir, 1, "generate") == ["attempt_1", "attempt_2"]
+    if where == "node_local":  # the persist of the lost checkpoint, stopped while it waited, was redone
+        assert attempts(run_dir, 0, "persist") == ["attempt_1", "attempt_2"]
+        persist_log = (run_dir / "logs" / "iter_00000" / "persist" / "attempt_1" / "rank_00000.log").read_text()
+        assert "waiting for train to write iteration 0's checkpoint on this node" in persist_log
     same_weights(run_dir, deferred)
     no_half_files(run_dir)
-    report("train's writer killed after its marker", None, recover)
+    report(f"train's writer killed after its marker ({where.replace('_', ' ')})", None, recover)
 
 
 @pytest.mark.slow
@@ -225,15 +234,15 @@ def test_the_snapshot_budget_counts_a_checkpoint_directory_in_host_memory(tmp_pa
     if dc.memory_backed(tmp_path):
         pytest.skip("the test's temporary directory is itself on tmpfs")
     share = int((100 << 30) * dc.HOST_MEMORY_SHARE / 2)
-    assert dc.snapshot_budget(ctx) == share
-    assert dc.snapshot_budget(ctx, held=8 << 30) == share + (8 << 30)
+    assert dc.snapshot_budget(ctx, ctx.paths.checkpoints) == share
+    assert dc.snapshot_budget(ctx, ctx.paths.checkpoints, held=8 << 30) == share + (8 << 30)
     # The run dir's checkpoints/ a symbolic link to tmpfs, as a user may make it.
     target = Path(tempfile.mkdtemp(dir=in_memory))
     try:
         disk.mkdir()
         (disk / "checkpoints").symlink_to(target)
         assert dc.memory_backed(disk / "checkpoints") and dc.memory_backed(disk / "checkpoints" / "iter_00001")
-        assert dc.snapshot_budget(ctx) == share // 2
-        assert dc.snapshot_budget(ctx, held=8 << 30) == (share + (8 << 30)) // 2
+        assert dc.snapshot_budget(ctx, ctx.paths.checkpoints) == share // 2
+        assert dc.snapshot_budget(ctx, ctx.paths.checkpoints, held=8 << 30) == (share + (8 << 30)) // 2
     finally:
         shutil.rmtree(target)

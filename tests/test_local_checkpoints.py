@@ -73,9 +73,13 @@ def test_node_local_checkpoints_give_the_same_weights_and_a_durable_copy(runs):
     assert record["id"] == train["local_checkpoint"]["id"]
     assert local.missing_shards(record["files"], 2) == [] and local.MODEL_STATES in record["files"]
     assert_export_matches_the_durable_copy(fast, 1)
-    # Train wrote to the node-local store, not the run dir; after the run's last iteration the store is emptied.
+    # Train wrote to the node-local store, not the run dir, after its marker (tuning.deferred_checkpoint,
+    # the default), the node leaving a note of it; after the run's last iteration the store is emptied.
     train_log = (fast / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00000.log").read_text()
     assert f"resumed weights and optimizer state from {store}" in train_log
+    assert f"checkpoint written after the marker to {store}" in train_log
+    assert train["deferred_checkpoint"]["id"] == record["id"] and train["deferred_checkpoint"]["nodes"] == 1
+    assert local.deferred_problem(RunPaths(fast), 1) is None
     assert not any(store.iterdir()) if store.exists() else True
     persist = json.loads((fast / "iter_00001" / "markers" / "persist.done").read_text())
     assert persist["bytes"] > 0 and persist["pruned"] == ["checkpoints/iter_00000"]
@@ -99,6 +103,24 @@ def test_resume_reads_the_durable_copy_when_the_local_one_is_gone(runs, tmp_path
     assert f"resumed weights and optimizer state from {run_dir / 'checkpoints'}" in log
     assert_export_matches_the_durable_copy(run_dir, 2)
     assert "iteration 1 train    already done" in proc.stderr
+
+
+def test_a_checkpoint_written_after_the_marker_to_the_nodes_is_whole_once_every_node_says_so(tmp_path, monkeypatch):
+    # The coordinator cannot see the nodes' storage: each node's note in the run dir, naming the train
+    # attempt, says its copy is published.
+    paths = RunPaths(tmp_path)
+    paths.markers(3).mkdir(parents=True)
+    paths.stage_dir(3, "train").mkdir(parents=True)
+    (paths.markers(3) / "train.done").write_text(json.dumps({"deferred_checkpoint": {"id": "abc", "nodes": 2},
+                                                             "local_checkpoint": {"id": "abc"}}))
+    assert "2 of 2 node(s) have not written" in local.deferred_problem(paths, 3)
+    paths.local_copy_written(3, "n2").write_text(json.dumps({"id": "old", "node": "n2"}))  # an earlier attempt's
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    local.note_written(paths, 3, "abc")
+    assert "1 of 2 node(s) have not written their node-local copy of iteration 3's checkpoint (written: n1)" in \
+        local.deferred_problem(paths, 3)
+    paths.local_copy_written(3, "n2").write_text(json.dumps({"id": "abc", "node": "n2"}))
+    assert local.deferred_problem(paths, 3) is None
 
 
 def test_durable_iterations_are_every_nth_and_the_last():

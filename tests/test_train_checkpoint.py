@@ -29,10 +29,13 @@ def test_each_setting_gets_its_mode_and_folder(tmp_path, monkeypatch):
     fp32 = train_checkpoint.for_run(context(tmp_path, "save.export_dtype=float16"), ds)
     assert type(fp32) is train_checkpoint.Plain
     store = tmp_path / "local"
-    local = train_checkpoint.for_run(context(tmp_path, f"train.local_checkpoint_dir={store}"),
-                                     {"zero_optimization": {"stage": 3}})
+    local = train_checkpoint.for_run(context(tmp_path, f"train.local_checkpoint_dir={store}",
+                                             "tuning.deferred_checkpoint=false"), {"zero_optimization": {"stage": 3}})
     assert type(local) is train_checkpoint.NodeLocal and local.zero3
     assert local.folder.is_relative_to(store) and local.folder != local.ctx.paths.checkpoints
+    # Node-local checkpoints are written after the marker too, where the deferred mode applies.
+    later = train_checkpoint.for_run(context(tmp_path, f"train.local_checkpoint_dir={store}"), ds)
+    assert type(later) is train_checkpoint.Deferred and later.local and later.folder == local.folder
     # Each node's first rank publishes its node's copy.
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "0")

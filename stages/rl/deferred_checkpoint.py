@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from stages.rl import policy_file
-from stages.rl.serialization import checkpoint_io
-from stages.runtime import dist, local_checkpoints, markers
+from stages.runtime import local_checkpoints, markers
 from stages.runtime.memory import available_host_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
@@ -101,8 +100,6 @@ def why_not(cfg) -> str | None:
     """Why train must write this run's checkpoint before its marker (None: it may defer it)."""
     if not cfg.tuning.deferred_checkpoint:
         return "tuning.deferred_checkpoint is off"
-    if cfg.train.local_checkpoint_dir:
-        return "train.local_checkpoint_dir is set (the persist stage makes the durable copy beside the next stages)"
     if cfg.save.export_dtype not in ("model", cfg.model.dtype):
         return (f"save.export_dtype is {cfg.save.export_dtype}, not the training dtype {cfg.model.dtype}: save "
                 f"exports the fp32 master weights, which only the checkpoint holds")
@@ -118,26 +115,6 @@ def write_policy(ctx, writes: DeferredWrites) -> Path:
         raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
                            f"set tuning.deferred_checkpoint=false")
     return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration))
-
-
-def write_deferred(ctx, writes: DeferredWrites, checkpoint_id: str, watchdog) -> None:
-    """Write the held checkpoint into the staging folder, then publish it (rank 0, once every rank's
-    files are in) with a record naming this attempt: the next train resumes only from that."""
-    t0 = time.time()
-    with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap):
-        write_s = writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
-    writes.pool.close()  # the snapshot is written: its page-locked memory is no longer needed
-    dist.barrier(f"iteration {ctx.iteration} checkpoint shards written", ctx.cfg.train.timeout_s)
-    if ctx.rank == 0:
-        staging = ctx.paths.checkpoints / ctx.paths.checkpoint_staging_tag(ctx.iteration)
-        local_checkpoints.write_record(staging, checkpoint_id, ctx.iteration, dist.node_name(), ctx.paths.root)
-        markers.publish_dir(staging, ctx.paths.checkpoints / ctx.paths.checkpoint_tag(ctx.iteration))
-        # Retention (save.keep_checkpoints) counts this checkpoint only now that it is there.
-        pruned = markers.prune_iterations(ctx.paths, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints,
-                                          ctx.iteration)
-        if pruned:
-            log.info("pruned %s", ", ".join(pruned))
-    log.info("checkpoint written after the marker: %.1fs of writes, %.1fs in all", write_s, time.time() - t0)
 
 
 def state_bytes(obj, host_too: bool = False) -> int:
@@ -317,19 +294,20 @@ def prepare_pool(ctx) -> HostPool | None:
     # The budget is read once the previous checkpoint is written: until then its write may still be
     # taking host memory (a checkpoint directory on tmpfs), which the snapshot must leave to it.
     previous_written = lambda: local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1) is None  # noqa: E731
+    folder = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths) or ctx.paths.checkpoints
     pool = HostPool()
-    pool.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), lambda: snapshot_budget(ctx),
+    pool.prepare(ctx.paths.snapshot_layout(ctx.iteration - 1, ctx.rank), lambda: snapshot_budget(ctx, folder),
                  cuda_device=ctx.info.local_rank % torch.cuda.device_count(), ready=previous_written)
     return pool
 
 
-def snapshot_budget(ctx, held: int = 0) -> int:
+def snapshot_budget(ctx, folder: Path, held: int = 0) -> int:
     """Host memory one rank's snapshot may hold: HOST_MEMORY_SHARE of the node's available memory,
     shared by the node's ranks, plus `held` (what the pool already holds for it); half that where the
-    checkpoint directory is in host memory, as each file written there takes its snapshot's size again."""
+    checkpoint's `folder` is in host memory, as each file written there takes its snapshot's size again."""
     ranks_per_node = max(1, ctx.world_size // max(1, ctx.info.num_nodes))
     budget = available_host_bytes() * HOST_MEMORY_SHARE / ranks_per_node + held
-    return int(budget / (2 if memory_backed(ctx.paths.checkpoints) else 1))
+    return int(budget / (2 if memory_backed(folder) else 1))
 
 
 def memory_backed(path: Path) -> bool:

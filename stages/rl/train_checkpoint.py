@@ -4,7 +4,8 @@
 - NodeLocal (train.local_checkpoint_dir): the same into each node's own storage, with a record
   naming the attempt; the persist stage makes the durable copy in the run dir later.
 - Deferred (tuning.deferred_checkpoint, the default where it applies): the checkpoint is copied to
-  host memory before the marker and written to checkpoints/iter_I after it, beside the next stages.
+  host memory before the marker and written after it, beside the next stages: to checkpoints/iter_I,
+  or with train.local_checkpoint_dir to each node's storage, as NodeLocal writes it before.
 
 train calls resume() once the engine is built, save() after the last optimizer step, and
 after_marker() once its marker is in; everything that differs between the modes is here.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +43,11 @@ class Saved:
 def for_run(ctx: StageContext, ds_config: dict, pool: deferred_checkpoint.HostPool | None = None) -> Checkpointer:
     """This run's checkpointer; `pool`: host memory a train process started early prepared for a
     deferred checkpoint's snapshot."""
+    folder = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     why = deferred_checkpoint.why_not(ctx.cfg)
     if why is None:
-        return Deferred(ctx, ds_config, pool)
+        return Deferred(ctx, ds_config, pool, folder)
     log.info("checkpoint written before the marker: %s", why)
-    folder = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
     return Plain(ctx, ds_config) if folder is None else NodeLocal(ctx, ds_config, folder)
 
 
@@ -107,6 +109,18 @@ class Checkpointer:
             return policy_file.write_gathered(engine, path, self.ctx.rank == 0)
         return deferred_checkpoint.write_policy(self.ctx, writes) if self.ctx.rank == 0 else None
 
+    def record_local(self, checkpoint_id: str, saved: Saved) -> Path:
+        """The marker's record of the node-local checkpoint (`saved.extra`), and its file (rank 0
+        writes it): resume, save and persist read the nodes' copies by it."""
+        local = {"id": checkpoint_id, "dir": str(self.folder.parent)}
+        if self.zero3:
+            local["policy"] = True  # no node's copy holds the weights whole: save needs the policy file
+        saved.extra["local_checkpoint"] = local
+        record = self.ctx.paths.local_checkpoint_record(self.ctx.iteration)
+        if self.ctx.rank == 0:
+            markers.write_json_atomic(record, local)
+        return record
+
     def policy_prunable(self) -> list[str]:
         """The policy file, for the next save to remove."""
         return [str(self.ctx.paths.train_policy(self.ctx.iteration).relative_to(self.ctx.paths.root))]
@@ -137,34 +151,33 @@ class NodeLocal(Checkpointer):
         if self.writer:
             local_checkpoints.prune(self.folder, keep=ctx.iteration)
         watchdog.beat("finish")
-        local = {"id": checkpoint_id, "dir": str(self.folder.parent)}
-        saved, policy = Saved(extra={"local_checkpoint": local}), None
+        saved, policy = Saved(), None
         if self.zero3:
             policy = self.policy_for_save(engine, watchdog)
-            local["policy"] = True
             saved.extra["prunable"] = self.policy_prunable()
+        record = self.record_local(checkpoint_id, saved)
         if ctx.rank == 0:
-            record = ctx.paths.local_checkpoint_record(ctx.iteration)
-            markers.write_json_atomic(record, local)
             saved.outputs = [record] + ([policy] if policy else [])
         return saved
 
-
 class Deferred(Checkpointer):
     """The checkpoint held in host memory at the marker (deferred_checkpoint.DeferredWrites stands in
-    for DeepSpeed's checkpoint engine), written to checkpoints/iter_I after it. The marker lists the
-    policy's weights for save instead, and a record with this attempt's id (the policy file is too
-    large to hash: a redone train must still read as new input to save)."""
+    for DeepSpeed's checkpoint engine), written after it to checkpoints/iter_I, or to each node's
+    storage (train.local_checkpoint_dir) as NodeLocal writes it, each node then leaving a note in the
+    run dir. The marker lists the policy's weights for save instead, and a record with this attempt's
+    id (the policy file is too large to hash: a redone train must still read as new input to save)."""
 
-    def __init__(self, ctx: StageContext, ds_config: dict, pool: deferred_checkpoint.HostPool | None):
-        super().__init__(ctx, ds_config)
+    def __init__(self, ctx: StageContext, ds_config: dict, pool: deferred_checkpoint.HostPool | None,
+                 folder: Path | None = None):
+        super().__init__(ctx, ds_config, folder)
+        self.local = folder is not None
         self.pool = pool or deferred_checkpoint.HostPool()
         self.writes: deferred_checkpoint.DeferredWrites | None = None
         self.checkpoint_id = ""
 
     def save(self, engine, watchdog) -> Saved:
         ctx = self.ctx
-        budget = deferred_checkpoint.snapshot_budget(ctx, held=self.pool.untaken_bytes())
+        budget = deferred_checkpoint.snapshot_budget(ctx, self.folder, held=self.pool.untaken_bytes())
         self.writes = deferred_checkpoint.DeferredWrites(engine.checkpoint_engine, budget, self.pool)
         engine.checkpoint_engine = self.writes
         self.write(engine)
@@ -173,20 +186,43 @@ class Deferred(Checkpointer):
         watchdog.beat("finish")
         policy = self.policy_for_save(engine, watchdog, self.writes)
         self.checkpoint_id = dist.agree(uuid.uuid4().hex)
-        record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
-        saved = Saved(written_after_marker=True, extra={
-            "deferred_checkpoint": {"id": self.checkpoint_id, "snapshot_s": self.writes.snapshot_s,
-                                    "snapshot_gb": self.writes.held / 1e9,
-                                    "prepared_gb": self.pool.prepared_bytes / 1e9,
-                                    "prepared_taken_gb": self.pool.taken_bytes / 1e9},
-            "prunable": self.policy_prunable()})
+        deferred = {"id": self.checkpoint_id, "snapshot_s": self.writes.snapshot_s,
+                    "snapshot_gb": self.writes.held / 1e9, "prepared_gb": self.pool.prepared_bytes / 1e9,
+                    "prepared_taken_gb": self.pool.taken_bytes / 1e9}
+        saved = Saved(written_after_marker=True, extra={"deferred_checkpoint": deferred,
+                                                        "prunable": self.policy_prunable()})
+        if self.local:
+            deferred["nodes"] = ctx.info.num_nodes  # each node's note says its copy is written
+            record = self.record_local(self.checkpoint_id, saved)
+        else:
+            record = ctx.paths.deferred_checkpoint_record(ctx.iteration)
+            if ctx.rank == 0:
+                markers.write_json_atomic(record, {"id": self.checkpoint_id})
         if ctx.rank == 0:
-            markers.write_json_atomic(record, {"id": self.checkpoint_id})
             saved.outputs = [policy, record]
         return saved
 
     def after_marker(self, watchdog) -> None:
-        deferred_checkpoint.write_deferred(self.ctx, self.writes, self.checkpoint_id, watchdog)
+        """Write the held checkpoint into the staging folder and publish it with a record naming
+        this attempt (the next train resumes only from that), then retention: the run dir's
+        (save.keep_checkpoints) or, node-local, the node's older copies (the persist stage has copied
+        them: train waits for it), and the node's note."""
+        ctx, t0 = self.ctx, time.time()
+        with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap):
+            write_s = self.writes.flush(beat=lambda: watchdog.beat("write checkpoint"))
+        self.writes.pool.close()  # the snapshot is written: its page-locked memory is no longer needed
+        self.publish(self.checkpoint_id)
+        if self.local and self.writer:
+            local_checkpoints.prune(self.folder, keep=ctx.iteration)
+            local_checkpoints.note_written(ctx.paths, ctx.iteration, self.checkpoint_id)
+        elif self.writer:
+            # Retention counts this checkpoint only now that it is there.
+            pruned = markers.prune_iterations(ctx.paths, ctx.paths.checkpoints, ctx.cfg.save.keep_checkpoints,
+                                              ctx.iteration)
+            if pruned:
+                log.info("pruned %s", ", ".join(pruned))
+        log.info("checkpoint written after the marker%s: %.1fs of writes, %.1fs in all",
+                 f" to {self.folder}" if self.local else "", write_s, time.time() - t0)
 
 
 def resume(ctx: StageContext, engine) -> None:

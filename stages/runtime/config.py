@@ -392,9 +392,9 @@ class TuningConfig:
     # Write the DeepSpeed checkpoint after train's marker: train copies it to host memory, writes the
     # policy's weights for save, frees the GPU and marks done; its processes then write the checkpoint
     # beside save and the next generate, score and gather (the next train waits for it, and a failed
-    # write redoes train; docs/design.md). Applies with no train.local_checkpoint_dir and
-    # save.export_dtype the training dtype; otherwise, and for a checkpoint larger than half the
-    # node's free host memory, it is written before the marker.
+    # write redoes train; docs/design.md), to the run dir or with train.local_checkpoint_dir to each
+    # node's storage. Applies with save.export_dtype the training dtype; otherwise, and for a
+    # checkpoint larger than half the node's free host memory, it is written before the marker.
     deferred_checkpoint: bool = True
     # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
     # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.

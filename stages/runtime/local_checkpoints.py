@@ -64,12 +64,27 @@ def wrote_policy(paths: RunPaths, it: int) -> bool:
 
 
 def deferred_problem(paths: RunPaths, it: int) -> str | None:
-    """Why the checkpoint train of iteration `it` wrote after its marker is not in checkpoints/
-    whole, as that attempt's (None when it is, or when train wrote it before its marker)."""
+    """Why the checkpoint train of iteration `it` wrote after its marker is not whole, as that
+    attempt's: in checkpoints/, or with node-local checkpoints on every node by the nodes' notes
+    (None when it is, or when train wrote it before its marker)."""
     recorded = deferred(paths, it)
     if recorded is None:
         return None
-    return problem(paths.checkpoints / paths.checkpoint_tag(it), recorded["id"])
+    if "nodes" not in recorded:
+        return problem(paths.checkpoints / paths.checkpoint_tag(it), recorded["id"])
+    notes = [markers.read_json(note) for note in paths.stage_dir(it, "train").glob("local_copy_written.*.json")]
+    written = sorted(note["node"] for note in notes if note.get("id") == recorded["id"])
+    if len(written) >= recorded["nodes"]:
+        return None
+    return (f"{recorded['nodes'] - len(written)} of {recorded['nodes']} node(s) have not written their node-local "
+            f"copy of iteration {it}'s checkpoint (written: {', '.join(written) or 'none'})")
+
+
+def note_written(paths: RunPaths, it: int, checkpoint_id: str) -> None:
+    """This node's note that its node-local copy of iteration `it`'s checkpoint, written after
+    train's marker, is whole (deferred_problem counts them)."""
+    node = node_name()
+    markers.write_json_atomic(paths.local_copy_written(it, node), {"id": checkpoint_id, "node": node})
 
 
 def durable(it: int, every: int, iterations: int) -> bool:

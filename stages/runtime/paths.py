@@ -98,6 +98,11 @@ class RunPaths:
         """Train's record of the attempt whose checkpoint is written after its marker (its id)."""
         return self.stage_dir(it, "train") / "deferred_checkpoint.json"
 
+    def local_copy_written(self, it: int, node: str) -> Path:
+        """A node's note that it wrote its node-local copy of iteration `it`'s checkpoint after train's
+        marker (the coordinator, which cannot see the nodes' storage, waits for every node's)."""
+        return self.stage_dir(it, "train") / f"local_copy_written.{node}.json"
+
     def local_checkpoint_record(self, it: int) -> Path:
         """Train's record of a node-local checkpoint (its attempt's id): an output of train, so that
         save and persist see a redone train as changed input even when its loss curve is the same."""
