@@ -21,6 +21,7 @@ By hand:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -57,8 +58,8 @@ def main(ctx: StageContext) -> None:
         log.info("pruned %s", ", ".join(pruned))
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
     if seconds["export"] == "linked":
-        ctx.summarize("published %s (%.1f MB): train's policy file linked in, %.1fs; its layout checked, %.1fs",
-                      target, size / 1e6, seconds["export_s"], seconds["verify_s"])
+        ctx.summarize("published %s (%.1f MB): train's policy file linked in, %.1fs; its layout %s, %.1fs",
+                      target, size / 1e6, seconds["export_s"], seconds["layout"], seconds["verify_s"])
     else:
         ctx.summarize("published %s (%.1f MB): consolidate %.1fs, export %.1fs (%.2f GB/s), verify %.1fs", target,
                       size / 1e6, seconds["consolidate_s"], seconds["export_s"],
@@ -109,13 +110,14 @@ def link_policy(ctx: StageContext, dtype: str, tmp: Path) -> dict | None:
     policy = ctx.paths.train_policy(ctx.iteration)
     if not (local_checkpoints.wrote_policy(ctx.paths, ctx.iteration) and policy.is_file()):
         return None
-    seconds = link_export(policy, ctx.policy_path(), dtype, tmp, ctx.tokenizer_path())
+    seconds = link_export(policy, ctx.policy_path(), dtype, tmp, ctx.tokenizer_path(), previous_export=ctx.iteration > 0)
     if seconds is not None:
         log.info("exported by linking %s, the weights train wrote for save", policy)
     return seconds
 
 
-def link_export(weights_file: Path, policy: Path, dtype: str, out: Path, tokenizer: Path) -> dict | None:
+def link_export(weights_file: Path, policy: Path, dtype: str, out: Path, tokenizer: Path,
+                previous_export: bool = False) -> dict | None:
     """An HF model of the policy's architecture in `out` whose weights file is `weights_file`, linked
     in, once its safetensors header names each of the architecture's weights with its shape and
     dtype (check_layout); None if transformers stores this architecture's weights under other
@@ -124,20 +126,53 @@ def link_export(weights_file: Path, policy: Path, dtype: str, out: Path, tokeniz
     train's policy file already holds the export's bytes (the module's weights in the training dtype,
     tied ones once): writing them again and reading them back would hold the next generate up for
     no new byte.
+
+    `previous_export`: `policy` is the previous iteration's export, which save made and checked.
+    Where `weights_file` has its weights file's layout exactly, the check would find what it found
+    then: the export takes that export's other files, and the architecture is not built (building
+    it imports transformers' model code, most of a save process's start-up where none was preloaded).
     """
     t0 = time.time()
-    model = meta_model(policy, dtype)
-    if renames_weights(model):
-        return None
-    check_layout(weights_file, model)
+    model = None
+    if not (previous_export and same_layout(weights_file, policy / SAFE_WEIGHTS_NAME)):
+        model = meta_model(policy, dtype)
+        if renames_weights(model):
+            return None
+        check_layout(weights_file, model)
     verify_s = time.time() - t0
     out.mkdir(parents=True)
     try:
         os.link(weights_file, out / SAFE_WEIGHTS_NAME)
     except OSError:  # no hard links on this filesystem (or across two): a copy
         shutil.copyfile(weights_file, out / SAFE_WEIGHTS_NAME)
-    write_model_files(model, out, tokenizer)
-    return {"export": "linked", "consolidate_s": 0.0, "export_s": time.time() - t0 - verify_s, "verify_s": verify_s}
+    if model is None:
+        for f in policy.iterdir():
+            if f.is_file() and f.name != SAFE_WEIGHTS_NAME:
+                shutil.copyfile(f, out / f.name)
+    else:
+        write_model_files(model, out, tokenizer)
+    return {"export": "linked", "consolidate_s": 0.0, "export_s": time.time() - t0 - verify_s, "verify_s": verify_s,
+            "layout": "as the previous export" if model is None else "checked against the architecture"}
+
+
+def safetensors_layout(path: Path) -> dict | None:
+    """Name -> (dtype, shape) of each tensor a safetensors file holds, from its header alone; None
+    where the file is absent or not safetensors."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 30:
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return None
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def same_layout(a: Path, b: Path) -> bool:
+    """Whether two safetensors files hold tensors of the same names, dtypes and shapes."""
+    layout = safetensors_layout(a)
+    return layout is not None and layout == safetensors_layout(b)
 
 
 def meta_model(policy: Path, dtype: str):

@@ -62,3 +62,25 @@ def test_a_policy_file_that_does_not_fit_the_architecture_is_refused(tmp_path, c
     save_file(weights, str(policy))
     with pytest.raises(RuntimeError, match=f"{policy} does not match the model .*{message}"):
         check_layout(policy, meta_model(base, "bfloat16"))
+
+
+def test_a_policy_file_laid_out_as_the_previous_export_takes_its_files_without_building_the_model(tmp_path):
+    base = create_base_model(tmp_path / "base", "tiny-llama", seed=0)
+    first, second = tmp_path / "iter_00000", tmp_path / "iter_00001"
+    weights = policy_file(base, tmp_path / "policy0.safetensors")
+    assert link_export(tmp_path / "policy0.safetensors", base, "bfloat16", first, base)["layout"] == \
+        "checked against the architecture"  # the base model: built and checked
+    # The next iteration's policy file: other values, the same names, dtypes and shapes.
+    save_file({k: v + 1 for k, v in weights.items()}, str(tmp_path / "policy1.safetensors"), metadata={"format": "pt"})
+    seconds = link_export(tmp_path / "policy1.safetensors", first, "bfloat16", second, first, previous_export=True)
+    assert seconds["layout"] == "as the previous export"
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert os.path.samefile(tmp_path / "policy1.safetensors", second / SAFE_WEIGHTS_NAME)
+    # A file laid out otherwise is checked against the architecture, and refused where it does not fit.
+    weights.pop("model.norm.weight")
+    save_file(weights, str(tmp_path / "policy2.safetensors"))
+    with pytest.raises(RuntimeError, match=r"missing \['model.norm.weight'\]"):
+        link_export(tmp_path / "policy2.safetensors", second, "bfloat16", tmp_path / "iter_00002", second,
+                    previous_export=True)
