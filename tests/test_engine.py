@@ -4,7 +4,8 @@ by the coordinator (jobs/engines.py) and asked by each generate step (stages/run
 vLLM cannot run here, so the engines run the stand-in for vLLM's API (tests/standins/vllm, which
 samples with the HF model and keeps vLLM's sleep, wake-up and reload rules); the coordinator, the
 launcher, the engine's process, its socket and the generate steps are real. The GPU test in
-tests/test_gpu.py runs the real engine where vLLM is installed.
+tests/test_gpu.py runs the real engine where vLLM is installed. One engine serving several
+iterations, and a dead one started again, run on the two-node cluster (tests/test_faults.py).
 """
 
 import json
@@ -43,46 +44,6 @@ def engine_figures(run_dir: Path, it: int, rank: int) -> dict:
 def engine_processes(run_dir: Path) -> list[str]:
     out = subprocess.run(["pgrep", "-af", "stages.engine"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if str(run_dir) in line]
-
-
-@pytest.mark.slow
-def test_one_engine_per_rank_serves_every_iteration_with_that_iterations_weights(tmp_path):
-    # Two iterations: the engine started for the first serves the second, reloaded with its policy
-    # (tests/test_faults.py's two-node case has one engine serve two iterations and a new one a third).
-    run_dir = tmp_path / "run"
-    proc = run(run_dir, 2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        figures = [engine_figures(run_dir, it, rank) for it in range(2)]
-        # The same process served both, each time the policy the iteration starts from.
-        assert len({f["engine_pid"] for f in figures}) == 1
-        assert [f["served"] for f in figures] == [str(run_dir / "models" / m) for m in ("base", "iter_00000")]
-        assert [f["requests_served"] for f in figures] == [1, 2]
-        # Start-up is told once, with the figure read from vLLM's log line; later requests reload.
-        assert figures[0]["weights_s"] == 0.25 and figures[0]["engine_start_s"] > 0 and "reload_s" not in figures[0]
-        assert figures[1]["reload_s"] > 0 and "engine_start_s" not in figures[1]
-        log = (run_dir / "logs" / "iter_00000" / "engine" / "attempt_1" / f"rank_{rank:05d}.log").read_text()
-        assert log.count("request: 2 prompts x 2") == 2
-    # Only one engine step was started, and it is gone with the run, its addresses with it.
-    assert not (run_dir / "logs" / "iter_00001" / "engine").exists()
-    assert engine_processes(run_dir) == []
-    assert list((run_dir / "engines").iterdir()) == []
-
-
-@pytest.mark.slow
-def test_a_dead_engine_is_started_again_for_the_next_generate(tmp_path):
-    run_dir = tmp_path / "run"
-    # Every engine process dies 0.5 s after answering its first request.
-    proc = run(run_dir, 2, {"VLLM_STANDIN_EXIT_AFTER_S": "0.5"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "have exited (exit codes [3]): starting them again" in proc.stderr
-    for rank in (0, 1):
-        first, second = engine_figures(run_dir, 0, rank), engine_figures(run_dir, 1, rank)
-        assert first["engine_pid"] != second["engine_pid"]
-        # The new engine started with iteration 1's policy: it serves it without a reload.
-        assert second["served"] == str(run_dir / "models" / "iter_00000") and "reload_s" not in second
-    assert (run_dir / "logs" / "iter_00001" / "engine" / "attempt_1").is_dir()
-    assert engine_processes(run_dir) == []
 
 
 @pytest.mark.slow

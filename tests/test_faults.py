@@ -588,8 +588,9 @@ def test_node_lost_between_durable_copies_on_two_nodes(slurm_cluster, tmp_path):
 def test_engines_on_two_nodes_through_srun_survive_the_stages_and_a_killed_one_is_replaced(slurm_cluster, tmp_path,
                                                                                            monkeypatch):
     """generate.persistent on two nodes (vLLM's API from its stand-in, tests/test_engine.py says why):
-    one engine step serves iterations 0 and 1; its task on n2 is killed; a new step serves iteration 2."""
-    from tests.test_engine import STANDINS, engine_figures
+    one engine step serves iterations 0 and 1, reloading iteration 1's policy; its task on n2 is
+    killed; a new step, started with iteration 2's policy, serves iteration 2 without a reload."""
+    from tests.test_engine import STANDINS, engine_figures, engine_processes
 
     run_dir = tmp_path / "run"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]))
@@ -615,6 +616,13 @@ def test_engines_on_two_nodes_through_srun_survive_the_stages_and_a_killed_one_i
         assert figures[0]["engine_pid"] == figures[1]["engine_pid"] != figures[2]["engine_pid"]
         assert [f["served"] for f in figures] == [str(run_dir / "models" / m) for m in
                                                   ("base", "iter_00000", "iter_00001")]
-        assert "reload_s" in figures[1] and "reload_s" not in figures[2]
+        # Start-up is told once per engine, with the figure read from vLLM's log line; later requests reload.
+        assert figures[0]["weights_s"] == 0.25 and figures[0]["engine_start_s"] > 0 and "reload_s" not in figures[0]
+        assert figures[1]["reload_s"] > 0 and "engine_start_s" not in figures[1]
+        assert figures[2]["engine_start_s"] > 0 and "reload_s" not in figures[2]
+        assert [f["requests_served"] for f in figures] == [1, 2, 1]
+        log = (run_dir / "logs" / "iter_00000" / "engine" / "attempt_1" / f"rank_{rank:05d}.log").read_text()
+        assert log.count("request: ") == 2
     assert (run_dir / "logs" / "iter_00002" / "engine" / "attempt_1" / "rank_00001.log").is_file()
-    assert list((run_dir / "engines").iterdir()) == []
+    # The engine steps are gone with the run, their addresses with them.
+    assert list((run_dir / "engines").iterdir()) == [] and engine_processes(run_dir) == []
