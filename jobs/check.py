@@ -74,10 +74,52 @@ def _check_generate_spread(cfg: RunConfig, launcher: str, env) -> list[str]:
         ("slurm.tasks_per_node", cfg.slurm.tasks_per_node)
     if n % gpp:
         problems.append(group_problem(name, n, gpp))
+    if cfg.generate.backend == "vllm":
+        problems += tensor_parallel_problems(cfg, gpp)
     if importlib.util.find_spec("accelerate") is None:
-        problems.append(f"generate.gpus_per_process ({gpp}) splits the model with transformers' device_map, "
+        # The HF copy of the policy (the sampler with backend hf; the old log-probs with vllm).
+        problems.append(f"generate.gpus_per_process ({gpp}) splits the HF model with transformers' device_map, "
                         "which needs the accelerate package: pip install accelerate")
     return problems
+
+
+def tensor_parallel_problems(cfg: RunConfig, tp: int) -> list[str]:
+    """vLLM shards each layer's attention heads over the process's GPUs (tensor_parallel_size =
+    generate.gpus_per_process): the query heads must divide evenly, and the K/V heads too, or be
+    fewer and divide the GPUs (each then copied to several). Checked where the model's config can
+    be read without loading it (the preset's dimensions, or model.path's config.json)."""
+    heads = model_dimensions(cfg)
+    if heads is None:
+        return []
+    q, kv = heads
+    fix = f"set generate.gpus_per_process to a divisor of {q}{'' if kv == q else f' and of {kv}'} (1 runs one GPU)"
+    if q % tp:
+        return [f"generate.gpus_per_process ({tp}) splits the model's {q} attention heads (num_attention_heads) over "
+                f"{tp} GPUs with vLLM's tensor parallelism, and {q} is not a multiple of {tp}: {fix}"]
+    if kv % tp and tp % kv:
+        return [f"generate.gpus_per_process ({tp}): the model's {kv} K/V heads (num_key_value_heads) can be neither "
+                f"split over {tp} GPUs nor copied evenly to them: {fix}"]
+    return []
+
+
+def model_dimensions(cfg: RunConfig) -> tuple[int, int] | None:
+    """(query heads, K/V heads) of the run's model, from the preset or model.path's config.json;
+    None where that cannot be read here (another check names a missing model)."""
+    if cfg.model.path:
+        try:
+            config = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        config = config.get("text_config", config)  # a multimodal model's language half
+    else:
+        from stages.rl.tiny_model import PRESETS
+
+        config = PRESETS.get(cfg.model.preset, {})
+    q = config.get("num_attention_heads")
+    if not isinstance(q, int) or q < 1:
+        return None
+    kv = config.get("num_key_value_heads") or q
+    return q, kv
 
 
 def check_files(config_path: str | None, overrides=(), launcher: str = "auto") -> list[str]:

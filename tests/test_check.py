@@ -146,3 +146,44 @@ def test_status_of_a_long_run_lists_what_started_and_the_rest_in_one_row(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert "1-999999  all" in proc.stdout and "0/6000000 stages done" in proc.stdout
     assert len(proc.stdout.splitlines()) == 2 + len(STAGES) + 1 + 1
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp,refused", [
+    (6, 3, 4, "the model's 6 attention heads (num_attention_heads) over 4 GPUs"),
+    (8, 2, 4, None),  # fewer K/V heads than GPUs, dividing them: each copied to 2 GPUs
+    (8, 4, 8, None),
+    (12, 6, 4, "the model's 6 K/V heads (num_key_value_heads) can be neither split over 4 GPUs"),
+    (8, None, 8, None),  # no num_key_value_heads: as many as query heads
+], ids=["query-heads", "kv-copied", "kv-split", "kv-neither", "mha"])
+def test_tensor_parallel_generation_needs_heads_that_divide_over_the_gpus(tmp_path, heads, kv_heads, tp, refused):
+    from jobs.check import check
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "llama", "num_attention_heads": heads, **({"num_key_value_heads": kv_heads} if kv_heads else {})}
+    (model / "config.json").write_text(json.dumps(config))
+    cfg = load_config(TINY, [f"run_dir={tmp_path}/run", f"model.path={model}", "generate.backend=vllm",
+                             f"generate.gpus_per_process={tp}", f"ranks={tp}", "data.prompts_per_iteration=64"])
+    # vLLM is not installed here: check says so too; the layout's line is the one under test.
+    problems = [p for p in check(cfg, "local") if "gpus_per_process" in p]
+    if refused is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and refused in problems[0], problems
+        assert "set generate.gpus_per_process to a divisor of" in problems[0]
+
+
+def test_tensor_parallel_generation_reads_a_presets_heads_and_stays_in_a_node(tmp_path):
+    from jobs.check import check
+
+    def layout(*overrides):
+        cfg = load_config(TINY, [f"run_dir={tmp_path}/run", "generate.backend=vllm", "data.prompts_per_iteration=96",
+                                 *overrides])
+        return [p for p in check(cfg, "local") if "gpus_per_process" in p]
+
+    assert layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=8", "ranks=8") == []
+    assert "the model's 32 attention heads" in layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=3",
+                                              "ranks=3")[0]
+    # More GPUs per engine than the node has (its ranks): refused as not dividing them.
+    assert "ranks (4) is not a multiple of generate.gpus_per_process (8)" in \
+        " ".join(layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=8", "ranks=4"))
