@@ -23,6 +23,7 @@ from stages.runtime import reward_plugin
 from stages.runtime.data import CHAT_TEMPLATE_FIX, read_jsonl_problems
 from stages.runtime.dist import allocation
 from stages.runtime.paths import RunPaths
+from stages.runtime.presets import PRESETS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,8 +113,6 @@ def model_dimensions(cfg: RunConfig) -> tuple[int, int] | None:
             return None
         config = config.get("text_config", config)  # a multimodal model's language half
     else:
-        from stages.rl.tiny_model import PRESETS
-
         config = PRESETS.get(cfg.model.preset, {})
     q = config.get("num_attention_heads")
     if not isinstance(q, int) or q < 1:

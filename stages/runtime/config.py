@@ -16,9 +16,10 @@ from pathlib import Path
 
 import yaml
 
+from stages.runtime.presets import PRESETS as PRESET_SHAPES
 
-# The built-in base models (stages/rl/tiny_model.py holds their dimensions).
-PRESETS = ("tiny-llama", "small-llama", "llama3-3b-shape", "llama3-8b-shape")
+# The built-in base models (model.preset; stages/runtime/presets.py has their dimensions).
+PRESETS = tuple(PRESET_SHAPES)
 ANSWER_FORMATS = ("gsm8k", "boxed", "plain", "custom")
 
 
