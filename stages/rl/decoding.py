@@ -102,6 +102,12 @@ def kv_heads(config) -> int:
     return config.num_key_value_heads or config.num_attention_heads
 
 
+def tensor_parallel_size(model) -> int:
+    """How many processes share each layer of `model` (transformers' tp_plan under torch.distributed),
+    each holding its shard of the heads; 1 for a whole model."""
+    return int(getattr(model, "_tp_size", None) or 1)
+
+
 def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
     heads = kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -191,8 +197,8 @@ class RowCache:
 
     is_compileable = False
 
-    def __init__(self, config, positions: int, dtype, layer_devices: list):
-        heads = kv_heads(config)
+    def __init__(self, config, positions: int, dtype, layer_devices: list, shards: int = 1):
+        heads = kv_heads(config) // shards  # a tensor-parallel model's layers hold their shard of the heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._shape = (heads, head_dim)
         # Zeros, not empty: masked positions still enter the attention product, and stale memory could
@@ -279,7 +285,7 @@ class CompactDecoder:
             # The buffer follows each layer's device, but this path has not run on several GPUs yet.
             raise ValueError(f"generate.cache=compact has not been validated on a model spread over "
                              f"{len(set(devices))} GPUs (generate.gpus_per_process > 1): set generate.cache=static")
-        self.cache = RowCache(model.config, self.positions, self.dtype, devices)
+        self.cache = RowCache(model.config, self.positions, self.dtype, devices, tensor_parallel_size(model))
         # A model spread over GPUs runs its layers in turn on each: no one graph captures that.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and len(set(devices)) == 1
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
