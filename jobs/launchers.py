@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from stages.runtime.dist import allocation, slurm_job_id
 from stages.runtime.paths import RunPaths
@@ -211,6 +213,22 @@ def _die_with_parent() -> None:
 
 
 def free_port() -> int:
+    """A port free now, below the range the kernel hands out to outgoing connections and bind(0)
+    (ip_local_port_range): the ranks bind it only when they join their process group, a minute later
+    for a stage started early, and a port of that range may have been handed to another connection
+    by then (EADDRINUSE)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low >= 2048:
+        for port in random.sample(range(max(1024, low - 12000), low), 50):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

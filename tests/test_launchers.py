@@ -1,6 +1,7 @@
 """How launchers size and place each stage's tasks, including generate processes that span several GPUs."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,17 @@ def test_an_srun_step_done_by_its_markers_is_left_to_exit_then_joined(slurm_clus
     assert step.running()  # its tasks still there
     joined = step.wait(1)
     assert joined.timed_out and not step.running()
+
+
+def test_the_local_master_port_is_outside_the_kernels_ephemeral_range():
+    # A stage started early binds its port only when its turn comes: one the kernel could hand to
+    # another connection meanwhile made a train attempt fail with EADDRINUSE.
+    import socket
+
+    from jobs.launchers import free_port
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(20)}
+    assert all(port < low for port in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
