@@ -73,7 +73,13 @@ def _check_generate_spread(cfg: RunConfig, launcher: str, env) -> list[str]:
     problems = []
     name, n = ("ranks", cfg.ranks) if launcher_kind(launcher, env) == "local" else \
         ("slurm.tasks_per_node", cfg.slurm.tasks_per_node)
-    if n % gpp:
+    if gpp > n:
+        # group_problem's fix (raise the count to gpp) would ask for GPUs a node may not have.
+        problems.append(f"generate.gpus_per_process ({gpp}) exceeds {name} ({n}), the GPUs of one node: a generate "
+                        f"process spreads the model over its own node's GPUs only (vLLM's tensor parallelism or "
+                        f"HF's layer split); set generate.gpus_per_process to a divisor of {n}, or {name} to {gpp} on "
+                        f"nodes with {gpp} GPUs")
+    elif n % gpp:
         problems.append(group_problem(name, n, gpp))
     if cfg.generate.backend == "vllm":
         problems += tensor_parallel_problems(cfg, gpp)

@@ -176,14 +176,24 @@ def test_tensor_parallel_generation_needs_heads_that_divide_over_the_gpus(tmp_pa
 def test_tensor_parallel_generation_reads_a_presets_heads_and_stays_in_a_node(tmp_path):
     from jobs.check import check
 
-    def layout(*overrides):
+    def layout(*overrides, launcher="local"):
         cfg = load_config(TINY, [f"run_dir={tmp_path}/run", "generate.backend=vllm", "data.prompts_per_iteration=96",
                                  *overrides])
-        return [p for p in check(cfg, "local") if "gpus_per_process" in p]
+        return [p for p in check(cfg, launcher, env={}) if "gpus_per_process" in p]
 
     assert layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=8", "ranks=8") == []
     assert "the model's 32 attention heads" in layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=3",
                                               "ranks=3")[0]
-    # More GPUs per engine than the node has (its ranks): refused as not dividing them.
-    assert "ranks (4) is not a multiple of generate.gpus_per_process (8)" in \
-        " ".join(layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=8", "ranks=4"))
+    # More GPUs per engine than a node has (the local launcher's ranks; SLURM's tasks per node): the
+    # fix is fewer GPUs per engine or bigger nodes, not more ranks.
+    for overrides, launcher, name in ((["ranks=4"], "local", "ranks"),
+                                      (["slurm.tasks_per_node=4"], "srun", "slurm.tasks_per_node")):
+        problems = layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=8", *overrides, launcher=launcher)
+        assert len(problems) == 1, problems
+        assert problems[0].startswith(f"generate.gpus_per_process (8) exceeds {name} (4), the GPUs of one node")
+        assert "set generate.gpus_per_process to a divisor of 4" in problems[0]
+    # Within a node but not dividing it: the group check's line.
+    problems = layout("model.preset=llama3-8b-shape", "generate.gpus_per_process=4", "slurm.tasks_per_node=6",
+                      launcher="srun")
+    assert len(problems) == 1 and "slurm.tasks_per_node (6) is not a multiple of generate.gpus_per_process (4)" in \
+        problems[0], problems
