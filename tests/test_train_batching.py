@@ -9,7 +9,6 @@ ZeRO-3, gloo on CPU), real train code (tests/workers/step_gradients.py).
 import itertools
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobs.launchers import free_port
 from stages.rl.tiny_model import create_base_model
 from stages.rl.packing import row_width
 from stages.rl.steps import MICRO_BATCH_POSITIONS, token_budget_groups
 from tests.workers.step_gradients import train_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def step_gradients(tmp_path, model_dir, world: int, overrides: list[str], name: str) -> dict:

@@ -160,6 +160,7 @@ class NodeLocal(Checkpointer):
             saved.outputs = [record] + ([policy] if policy else [])
         return saved
 
+
 class Deferred(Checkpointer):
     """The checkpoint held in host memory at the marker (deferred_checkpoint.DeferredWrites stands in
     for DeepSpeed's checkpoint engine), written after it to checkpoints/iter_I, or to each node's
