@@ -81,20 +81,23 @@ def _check_generate_spread(cfg: RunConfig, launcher: str, env) -> list[str]:
                         f"nodes with {gpp} GPUs")
     elif n % gpp:
         problems.append(group_problem(name, n, gpp))
-    if cfg.generate.backend == "vllm":
-        problems += tensor_parallel_problems(cfg, gpp)
-    if importlib.util.find_spec("accelerate") is None:
-        # The HF copy of the policy (the sampler with backend hf; the old log-probs with vllm).
+    g = cfg.generate
+    compact = g.backend == "hf" and g.cache == "compact"
+    if g.backend == "vllm" or compact:
+        problems += tensor_parallel_problems(cfg, gpp, "vLLM's" if g.backend == "vllm" else "transformers'")
+    if not compact and importlib.util.find_spec("accelerate") is None:
+        # The HF copy of the policy (the sampler with the static and dynamic caches; the old log-probs with vllm).
         problems.append(f"generate.gpus_per_process ({gpp}) splits the HF model with transformers' device_map, "
                         "which needs the accelerate package: pip install accelerate")
     return problems
 
 
-def tensor_parallel_problems(cfg: RunConfig, tp: int) -> list[str]:
-    """vLLM shards each layer's attention heads over the process's GPUs (tensor_parallel_size =
-    generate.gpus_per_process): the query heads must divide evenly, and the K/V heads too, or be
-    fewer and divide the GPUs (each then copied to several). Checked where the model's config can
-    be read without loading it (the preset's dimensions, or model.path's config.json)."""
+def tensor_parallel_problems(cfg: RunConfig, tp: int, library: str = "vLLM's") -> list[str]:
+    """vLLM, or transformers' plan under the compact sampler, shards each layer's attention heads over
+    the process's GPUs (generate.gpus_per_process of them): the query heads must divide evenly, and
+    the K/V heads too. vLLM also takes fewer K/V heads than GPUs where they divide the GPUs (each
+    then copied to several); transformers' plan does not. Checked where the model's config can be
+    read without loading it (the preset's dimensions, or model.path's config.json)."""
     heads = model_dimensions(cfg)
     if heads is None:
         return []
@@ -102,11 +105,12 @@ def tensor_parallel_problems(cfg: RunConfig, tp: int) -> list[str]:
     fix = f"set generate.gpus_per_process to a divisor of {q}{'' if kv == q else f' and of {kv}'} (1 runs one GPU)"
     if q % tp:
         return [f"generate.gpus_per_process ({tp}) splits the model's {q} attention heads (num_attention_heads) over "
-                f"{tp} GPUs with vLLM's tensor parallelism, and {q} is not a multiple of {tp}: {fix}"]
-    if kv % tp and tp % kv:
-        return [f"generate.gpus_per_process ({tp}): the model's {kv} K/V heads (num_key_value_heads) can be neither "
-                f"split over {tp} GPUs nor copied evenly to them: {fix}"]
-    return []
+                f"{tp} GPUs with {library} tensor parallelism, and {q} is not a multiple of {tp}: {fix}"]
+    if kv % tp == 0 or (library == "vLLM's" and tp % kv == 0):
+        return []
+    how = "can be neither split over nor copied evenly to" if library == "vLLM's" else "do not split evenly over"
+    return [f"generate.gpus_per_process ({tp}): the model's {kv} K/V heads (num_key_value_heads) {how} {tp} GPUs "
+            f"by {library} tensor parallelism: {fix}"]
 
 
 def model_dimensions(cfg: RunConfig) -> tuple[int, int] | None:

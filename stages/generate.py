@@ -7,6 +7,8 @@ each token, from the same logits (tuning.logprobs: sampler, its default); the ot
 tuning.logprobs: recompute, get them from one forward pass over each finished sequence, the pass
 train runs (stages/rl/batches.py). With top_p < 1 the sampler draws from a truncated
 distribution; the recorded log-probs are still the policy's, which is what train recomputes.
+With generate.gpus_per_process N > 1 and the compact sampler, the process samples together with
+N - 1 more that it starts, the policy sharded over them (stages/rl/tensor_parallel.py).
 
 By hand (one process, rank 0 of 1; `RANK`/`WORLD_SIZE` or srun's variables set the layout):
 
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from stages.rl import decoding, prompts
+from stages.rl import decoding, prompts, tensor_parallel
 from stages.rl.batches import completion_logprobs
 from stages.rl.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.rl.vllm_sampler import VllmSampler
@@ -48,25 +50,27 @@ def main(ctx: StageContext) -> None:
     """Sample completions for this rank's shard of the iteration's prompts."""
     cfg = ctx.cfg
     set_cpu_threads()
-    device = device_for(ctx.info.local_rank)
     t0 = time.time()
     tokenizer = load_tokenizer(ctx.tokenizer_path())
     g = cfg.generate
-    spread = g.gpus_per_process > 1
-    # vLLM first: it sizes its cache from the memory free when it starts.
-    sampler = None
-    if g.backend == "vllm" and g.persistent:
-        sampler = EngineClient(ctx.paths, ctx.rank, ctx.policy_path(), g.engine_timeout_s)
-    elif g.backend == "vllm":
-        sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g,
-                              sample_seed(cfg.seed, ctx.iteration, ctx.rank), cache_dir=ctx.paths.vllm_cache(ctx.rank),
-                              enforce_eager=cfg.tuning.vllm_enforce_eager)
-    model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread,
-                        fused_norms=cfg.tuning.fused_rms_norm, fused_layers=cfg.tuning.fused_layers).eval()
-    if spread:
-        device = model.device  # where the first layers live: inputs go there
+    tp = tensor_parallel_size(g)
+    device = model = sampler = None
+    if tp == 1:
+        device = device_for(ctx.info.local_rank)
+        spread = g.gpus_per_process > 1
+        # vLLM first: it sizes its cache from the memory free when it starts.
+        if g.backend == "vllm" and g.persistent:
+            sampler = EngineClient(ctx.paths, ctx.rank, ctx.policy_path(), g.engine_timeout_s)
+        elif g.backend == "vllm":
+            sampler = VllmSampler(ctx.policy_path(), ctx.tokenizer_path(), cfg.model.dtype, g,
+                                  sample_seed(cfg.seed, ctx.iteration, ctx.rank),
+                                  cache_dir=ctx.paths.vllm_cache(ctx.rank), enforce_eager=cfg.tuning.vllm_enforce_eager)
+        model = load_policy(ctx.policy_path(), cfg.model.dtype, device, spread=spread,
+                            fused_norms=cfg.tuning.fused_rms_norm, fused_layers=cfg.tuning.fused_layers).eval()
+        if spread:
+            device = model.device  # where the first layers live: inputs go there
+        log.info("loaded %s on %s in %.1fs", ctx.policy_path(), device, time.time() - t0)
     load_s = time.time() - t0
-    log.info("loaded %s on %s in %.1fs", ctx.policy_path(), device, load_s)
 
     problems = load_problems(cfg.data, cfg.seed)
     items = shard(iteration_prompts(cfg.data, problems, cfg.seed, ctx.iteration), ctx.rank, ctx.world_size)
@@ -74,7 +78,11 @@ def main(ctx: StageContext) -> None:
     torch.manual_seed(sample_seed(cfg.seed, ctx.iteration, ctx.rank))
 
     t1 = time.time()
-    rows, stats = sample_rows(model, tokenizer, items, g, device, sampler, ctx.rank, cfg.tuning)
+    if tp > 1:
+        rows, stats = sample_sharded(ctx, tokenizer, items, tp)
+        load_s += stats.pop("load_s")
+    else:
+        rows, stats = sample_rows(model, tokenizer, items, g, device, sampler, ctx.rank, cfg.tuning)
     new_tokens = sum(len(r["completion_ids"]) for r in rows)
     gen_s = time.time() - t1
     for r in rows:
@@ -86,6 +94,30 @@ def main(ctx: StageContext) -> None:
                   n, len(items), new_tokens, tps, out)
     ctx.write_marker([out], extra={"rows": n, "new_tokens": new_tokens, "tokens_per_s": tps,
                                    "load_s": load_s, "generate_s": gen_s, "sampling": stats})
+
+
+def tensor_parallel_size(g) -> int:
+    """Processes one generate task samples with, each holding a shard of every layer: its GPUs with
+    the compact sampler (stages/rl/tensor_parallel.py); 1 where one process drives them all (vLLM's
+    own workers, or HF's layer split with the static and dynamic caches)."""
+    return g.gpus_per_process if g.backend == "hf" and g.cache == "compact" else 1
+
+
+def sample_sharded(ctx: StageContext, tokenizer, items: list[dict], size: int) -> tuple[list, dict]:
+    """sample_rows' rows and figures, sampled by `size` processes on the policy sharded over them."""
+    cfg = ctx.cfg
+    t0 = time.time()
+    prompt_ids = unpadded_prompt_ids(items)
+    job = tensor_parallel.Job(policy=str(ctx.policy_path()), tokenizer=str(ctx.tokenizer_path()), dtype=cfg.model.dtype,
+                              prompt_ids=prompt_ids, generate=cfg.generate, tuning=cfg.tuning, seed=call_seed(),
+                              size=size, tag=ctx.info.tag)
+    log.info("sampling with the policy sharded over %d processes (generate.gpus_per_process)", size)
+    completions, logprobs, stats = tensor_parallel.sample(job)
+    stats["sample_s"] = time.time() - t0 - stats["load_s"]
+    rows = completion_rows(tokenizer, items, cfg.generate, prompt_ids, completions)
+    add_logprobs(rows, logprobs)
+    stats["logprobs"] = "sampler" if cfg.tuning.logprobs_from_sampler(cfg.generate) else "recompute"
+    return rows, stats
 
 
 def sample_seed(seed: int, iteration: int, rank: int) -> int:
@@ -183,8 +215,7 @@ def completion_rows(tokenizer, items: list[dict], g, prompt_ids: list, completio
     rows = []
     for j, ids in enumerate(completions):
         item = items[j // g.attempts]
-        # Keep the end-of-sequence token: the policy must learn to stop, so train scores it too.
-        n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+        n = completion_length(ids, tokenizer.eos_token_id)
         rows.append({
             "prompt_id": item["prompt_id"],
             "problem_index": item["problem_index"],
@@ -199,6 +230,12 @@ def completion_rows(tokenizer, items: list[dict], g, prompt_ids: list, completio
             "truncated": tokenizer.eos_token_id not in ids[:n],
         })
     return rows
+
+
+def completion_length(ids: list[int], eos: int) -> int:
+    """Tokens of a sampled sequence that are its completion: up to and with its first end-of-sequence
+    token (the policy must learn to stop, so train scores that token too)."""
+    return ids.index(eos) + 1 if eos in ids else len(ids)
 
 
 def add_logprobs(rows: list[dict], per_row: list[list[float]]) -> None:

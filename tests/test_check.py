@@ -148,21 +148,26 @@ def test_status_of_a_long_run_lists_what_started_and_the_rest_in_one_row(tmp_pat
     assert len(proc.stdout.splitlines()) == 2 + len(STAGES) + 1 + 1
 
 
-@pytest.mark.parametrize("heads,kv_heads,tp,refused", [
-    (6, 3, 4, "the model's 6 attention heads (num_attention_heads) over 4 GPUs"),
-    (8, 2, 4, None),  # fewer K/V heads than GPUs, dividing them: each copied to 2 GPUs
-    (8, 4, 8, None),
-    (12, 6, 4, "the model's 6 K/V heads (num_key_value_heads) can be neither split over 4 GPUs"),
-    (8, None, 8, None),  # no num_key_value_heads: as many as query heads
-], ids=["query-heads", "kv-copied", "kv-split", "kv-neither", "mha"])
-def test_tensor_parallel_generation_needs_heads_that_divide_over_the_gpus(tmp_path, heads, kv_heads, tp, refused):
+@pytest.mark.parametrize("backend,heads,kv_heads,tp,refused", [
+    ("vllm", 6, 3, 4, "the model's 6 attention heads (num_attention_heads) over 4 GPUs with vLLM's"),
+    ("vllm", 8, 2, 4, None),  # fewer K/V heads than GPUs, dividing them: each copied to 2 GPUs
+    ("vllm", 8, 4, 8, None),
+    ("vllm", 12, 6, 4, "the model's 6 K/V heads (num_key_value_heads) can be neither split over nor copied evenly"),
+    ("vllm", 8, None, 8, None),  # no num_key_value_heads: as many as query heads
+    # The compact sampler on transformers' plan: each GPU holds its own K/V heads, none copied.
+    ("hf", 6, 3, 4, "the model's 6 attention heads (num_attention_heads) over 4 GPUs with transformers'"),
+    ("hf", 8, 2, 4, "the model's 2 K/V heads (num_key_value_heads) do not split evenly over 4 GPUs"),
+    ("hf", 8, 4, 4, None),
+], ids=["query-heads", "kv-copied", "kv-split", "kv-neither", "mha", "hf-query-heads", "hf-kv-fewer", "hf-kv-split"])
+def test_tensor_parallel_generation_needs_heads_that_divide_over_the_gpus(tmp_path, backend, heads, kv_heads, tp,
+                                                                          refused):
     from jobs.check import check
 
     model = tmp_path / "model"
     model.mkdir()
     config = {"model_type": "llama", "num_attention_heads": heads, **({"num_key_value_heads": kv_heads} if kv_heads else {})}
     (model / "config.json").write_text(json.dumps(config))
-    cfg = load_config(TINY, [f"run_dir={tmp_path}/run", f"model.path={model}", "generate.backend=vllm",
+    cfg = load_config(TINY, [f"run_dir={tmp_path}/run", f"model.path={model}", f"generate.backend={backend}",
                              f"generate.gpus_per_process={tp}", f"ranks={tp}", "data.prompts_per_iteration=64"])
     # vLLM is not installed here: check says so too; the layout's line is the one under test.
     problems = [p for p in check(cfg, "local") if "gpus_per_process" in p]

@@ -181,8 +181,9 @@ def _is_live(pid):
 
 def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer_and_generate_spreads_over_two_ranks_slots(tmp_path):
     # One run for two settings that do not meet: train's ZeRO-3 with a KL term, RLOO advantages and
-    # torch.compile, and generate.gpus_per_process=2 (one generate, and score, process takes both
-    # rank slots; train keeps 2 ranks).
+    # torch.compile, and generate.gpus_per_process=2 (one generate, and score, task takes both rank
+    # slots, its process sampling with a second one on the policy sharded over both; train keeps 2
+    # ranks).
     run = tmp_path / "run"
     proc = syncrl("run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=2", *SMALL,
                   "train.deepspeed_config=configs/ds_zero3_cpu.json", "train.kl_coef=0.1", "gather.advantage=rloo",
@@ -197,6 +198,7 @@ def test_zero3_with_kl_and_rloo_resumes_sharded_optimizer_and_generate_spreads_o
         assert len(rows) == 8 * 4  # every prompt of the iteration x attempts, in the one shard
         worlds = [json.loads((it / "markers" / f"{s}.done").read_text())["world_size"] for s in ("generate", "train")]
         assert worlds == [1, 2]
+        assert json.loads((it / "markers" / "generate.rank_00000.done").read_text())["sampling"]["tensor_parallel"] == 2
     log = (run / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00001.log").read_text()
     assert "ZeRO stage 3" in log and "resumed weights and optimizer state" in log
     assert re.search(r"policy and \d+ reference layers compiled with torch.compile backend aot_eager", log)

@@ -103,9 +103,9 @@ def kv_heads(config) -> int:
 
 
 def tensor_parallel_size(model) -> int:
-    """How many processes share each layer of `model` (transformers' tp_plan under torch.distributed),
-    each holding its shard of the heads; 1 for a whole model."""
-    return int(getattr(model, "_tp_size", None) or 1)
+    """How many processes share each layer of `model` (transformers' tensor-parallel plan under
+    torch.distributed), each holding its shard of the heads; 1 for a whole model."""
+    return int(getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1)
 
 
 def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
@@ -127,14 +127,22 @@ def positions_that_fit(model, rows: int, memory_fraction: float) -> int:
     if first.type != "cuda":
         return 1 << 40
     config, dtype = model.config, next(model.parameters()).dtype
-    per_layer = kv_bytes_per_position(config, dtype) // config.num_hidden_layers
+    shards = tensor_parallel_size(model)
+    per_layer = kv_bytes_per_position(config, dtype) // config.num_hidden_layers // shards
     devices = layer_devices(model, first)
     fit = []
     for d in sorted(set(devices), key=str):
         free, _ = torch.cuda.mem_get_info(d)
         budget = free * memory_fraction - (4 * 3 * config.vocab_size * rows if d == first else 0)
         fit.append(int(max(0, budget) // (per_layer * devices.count(d))))
-    return min(fit)
+    if shards == 1:
+        return min(fit)
+    # The members of a tensor-parallel group decode the same rows in step: the least room sets them.
+    import torch.distributed as dist
+
+    least = torch.tensor([min(fit)], device=first)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return int(least.item())
 
 
 def layer_devices(model, default: torch.device) -> list:

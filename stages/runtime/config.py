@@ -126,11 +126,12 @@ class GenerateConfig:
     # for every sequence reaching max_new_tokens) may take; the rest is left for activations and the
     # old-log-prob pass.
     memory_fraction: float = 0.8
-    # GPUs of one node that one generate process spreads the model over, for models too large for one
-    # GPU: with backend "vllm", vLLM's tensor parallelism (every GPU works on every step; the heads
-    # must divide over them); with "hf", transformers' device_map (its layers split across them, run
-    # in turn). 1: one process per GPU, each with the whole model. Generate and score then run
-    # tasks_per_node / gpus_per_process tasks per node.
+    # GPUs of one node that one generate task spreads the model over, for models too large for one
+    # GPU. Tensor parallelism (every GPU works on every step; the heads must divide over them): with
+    # backend "vllm", vLLM's; with "hf" and the compact cache, transformers' plan, one process per
+    # GPU (stages/rl/tensor_parallel.py). With the static and dynamic caches, transformers'
+    # device_map (the layers split across the GPUs, run in turn). 1: one process per GPU, each with
+    # the whole model. Generate and score then run tasks_per_node / gpus_per_process tasks per node.
     gpus_per_process: int = 1
     # backend "vllm" (where vLLM is installed): sampling by vLLM's engine, tensor-parallel over
     # gpus_per_process GPUs; the share of each GPU's memory it may take, the rest holding the HF

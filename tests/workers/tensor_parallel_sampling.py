@@ -2,10 +2,11 @@
 tensor-parallel over the ranks, and on the same model whole.
 
 Run as `python -m torch.distributed.run --nproc-per-node N -m tests.workers.tensor_parallel_sampling
-MODEL_DIR OUT_FILE`. Each rank loads MODEL_DIR twice: with transformers' tensor-parallel plan
-(tp_plan="auto", gloo on CPU: each rank holds its shard of every layer's heads and MLP, the
-logits gathered whole on every rank) and whole; each samples the same prompts with the same
-seed. Rank 0 writes both samplers' ids and log-probs, and what the sharded model held, to OUT_FILE.
+MODEL_DIR OUT_FILE`. Each rank loads MODEL_DIR twice: sharded by transformers' tensor-parallel
+plan (stages/rl/tensor_parallel.load_sharded, gloo on CPU: each rank holds its shard of every
+layer's heads and MLP, the logits gathered whole on every rank) and whole; each samples the same
+prompts with the same seed. Rank 0 writes both samplers' ids and log-probs, and what the sharded
+model held, to OUT_FILE.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as tdist
 from transformers import AutoModelForCausalLM
 
 from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length, tensor_parallel_size
+from stages.rl.tensor_parallel import load_sharded
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 ATTEMPTS, NEW_TOKENS = 3, 12
@@ -32,7 +34,7 @@ def sample(model, eos: int) -> tuple[list, list]:
 
 def main(model_dir: str, out_file: str) -> None:
     tdist.init_process_group("gloo")
-    sharded = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+    sharded = load_sharded(model_dir, torch.float32, 2)
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = whole.config.eos_token_id
     (ids, lps), (ids_whole, lps_whole) = sample(sharded, eos), sample(whole, eos)
