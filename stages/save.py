@@ -21,7 +21,6 @@ By hand:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -33,7 +32,7 @@ import torch
 
 from stages.rl.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
 from stages.rl.serialization import checkpoint_io
-from stages.runtime import local_checkpoints, markers
+from stages.runtime import local_checkpoints, markers, safetensors_header
 from stages.runtime.stage import MissingInput, StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
@@ -155,24 +154,10 @@ def link_export(weights_file: Path, policy: Path, dtype: str, out: Path, tokeniz
             "layout": "as the previous export" if model is None else "checked against the architecture"}
 
 
-def safetensors_layout(path: Path) -> dict | None:
-    """Name -> (dtype, shape) of each tensor a safetensors file holds, from its header alone; None
-    where the file is absent or not safetensors."""
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size < 1 << 30:
-                return None
-            header = json.loads(f.read(size))
-    except (OSError, ValueError):
-        return None
-    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
 def same_layout(a: Path, b: Path) -> bool:
     """Whether two safetensors files hold tensors of the same names, dtypes and shapes."""
-    layout = safetensors_layout(a)
-    return layout is not None and layout == safetensors_layout(b)
+    found = safetensors_header.layout(a)
+    return found is not None and found == safetensors_header.layout(b)
 
 
 def meta_model(policy: Path, dtype: str):
@@ -198,13 +183,12 @@ def renames_weights(model) -> bool:
 def check_layout(weights_file: Path, model) -> None:
     """Raise unless `weights_file` holds each of the model's weights (a tied one at most once) under its
     name, shape and dtype, and nothing else. Reads the safetensors header only."""
-    from safetensors import safe_open
-
-    expected = {k: (tuple(t.shape), SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)))
+    expected = {k: (SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape))
                 for k, t in model.state_dict().items()}
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    with safe_open(str(weights_file), framework="pt") as f:
-        found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    found = safetensors_header.layout(weights_file)
+    if found is None:
+        raise RuntimeError(f"{weights_file} is missing or not a safetensors file; redo train")
     missing = sorted(set(expected) - set(found) - tied)
     unexpected = sorted(set(found) - set(expected))
     wrong = sorted(f"{k}: {found[k]} where the model has {expected[k]}" for k in set(found) & set(expected)

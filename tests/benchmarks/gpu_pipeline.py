@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -40,7 +40,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stages.runtime import pipeline  # noqa: E402 (needs ROOT on the path)
+from stages.runtime import pipeline, safetensors_header  # noqa: E402 (needs ROOT on the path)
 from stages.runtime.paths import STAGES  # noqa: E402
 from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, PEAK_FLOPS, model_shape, roofline  # noqa: E402
 # The vLLM engine's figures in the generate marker, as the report names them.
@@ -104,16 +104,8 @@ def safetensors_params(model_dir: Path) -> dict[str, int]:
     """Tensor name -> element count, from the safetensors headers alone (no torch, no loading)."""
     counts = {}
     for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            numel = 1
-            for s in meta["shape"]:
-                numel *= s
-            counts[name] = numel
+        for name, (_, shape) in (safetensors_header.layout(f) or {}).items():
+            counts[name] = math.prod(shape)
     return counts
 
 

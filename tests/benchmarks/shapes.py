@@ -7,9 +7,10 @@ vocabulary is syncrl's character tokenizer, so the parameters are almost all in 
 
 from __future__ import annotations
 
+from stages.runtime.presets import PRESETS
+
 SHAPES = {
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192),
+    "llama-8b": PRESETS["llama3-8b-shape"],
     "qwen-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                      num_key_value_heads=8, max_position_embeddings=8192),
     "qwen-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
