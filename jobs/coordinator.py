@@ -247,7 +247,7 @@ class Coordinator:
         """Persist of an iteration whose train wrote its checkpoint to the run dir itself: marked done
         here, as its tasks would mark it, without starting a process per node beside the next stages."""
         start = time.time()
-        summary = f"nothing to persist: train wrote checkpoints/{self.paths.checkpoint_tag(it)} to the run dir"
+        summary = local_checkpoints.nothing_to_persist(self.paths, it)
         for rank in range(self.launcher.ntasks("persist")):
             markers.write_marker(self.paths, it, "persist", rank, attempt=attempt, start=start, config_hash=self.chash,
                                  inputs=inputs, outputs={}, extra={"summary": summary})

@@ -37,7 +37,7 @@ def main(ctx: StageContext) -> None:
     tag = paths.checkpoint_tag(it)
     recorded = local.recorded(paths, it)
     if not recorded:
-        ctx.summarize("nothing to persist: train wrote %s to the run dir", f"checkpoints/{tag}")
+        ctx.summarize("%s", local.nothing_to_persist(paths, it))
         ctx.write_marker([])
         return
     every = ctx.cfg.train.durable_every

@@ -51,6 +51,11 @@ def recorded(paths: RunPaths, it: int) -> dict | None:
     return (markers.read_marker(paths, it, "train") or {}).get("local_checkpoint")
 
 
+def nothing_to_persist(paths: RunPaths, it: int) -> str:
+    """Persist's summary for an iteration whose train wrote the run dir's checkpoint itself."""
+    return f"nothing to persist: train wrote checkpoints/{paths.checkpoint_tag(it)} to the run dir"
+
+
 def deferred(paths: RunPaths, it: int) -> dict | None:
     """What train of iteration `it` recorded of a checkpoint it wrote after its marker
     (tuning.deferred_checkpoint: {"id", ...}), or None when it wrote it before (or has no marker)."""
