@@ -78,6 +78,8 @@ def sample(job: Job) -> tuple[list, list, dict]:
         if m.exitcode is None:
             m.terminate()
             raise RuntimeError(f"generate: {m.name} of {job.size} had not exited {EXIT_WAIT_S:.0f}s after sampling")
+        if m.exitcode:  # after the members agreed on what they drew: the shard stands
+            log.warning("generate: %s exited with code %s after sampling", m.name, m.exitcode)
     stats["tensor_parallel"] = job.size
     return completions, logprobs, stats
 
