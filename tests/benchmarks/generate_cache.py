@@ -47,6 +47,9 @@ def main() -> int:
     parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s, for the bound")
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="dense bf16 FLOP/s, for the roofline")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--data-source", default="synthetic",
+                        help="data.source: a JSONL file of problems (GSM8K's test.jsonl, say) or the synthetic task")
+    parser.add_argument("--prompt-template", default=None, help="data.prompt_template (default: the config's)")
     parser.add_argument("--matmul-below", type=int, default=None,
                         help="decode steps attending to fewer positions use the batched-products attention "
                              "(decoding.MATMUL_ATTENTION_BELOW), the longer ones SDPA")
@@ -68,7 +71,7 @@ def main() -> int:
                                   dtype=args.dtype)
     shape = model_shape(model_dir)
     weights, kv = shape.weight_bytes, shape.kv_per_position
-    print(f"{args.preset}, {args.dtype}: {args.prompts} prompts x {args.attempts} samples = "
+    print(f"{args.preset}, {args.dtype}, {args.data_source} problems: {args.prompts} prompts x {args.attempts} samples = "
           f"{args.prompts * args.attempts} sequences, up to {args.new_tokens} new tokens; one process per mode; "
           f"bound at {args.bandwidth / 1e12:.1f} TB/s", flush=True)
     print(f"{'mode':<28} {'first call':>10} {'new tok/s':>10} {'pos/s':>10} {'sampling':>9} {'logprob':>8} "
@@ -117,7 +120,7 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     import yaml
 
     from stages.runtime.config import DataConfig, GenerateConfig, TuningConfig
-    from stages.runtime.data import iteration_prompts, synthetic_problems
+    from stages.runtime.data import iteration_prompts, load_problems
     from stages.rl.modeling import device_for, load_policy, load_tokenizer
     from stages.generate import sample_rows
     from stages.rl import prompts
@@ -135,8 +138,9 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir, args.dtype, device, fused_norms=args.fused_norms).eval()
-    data = DataConfig(prompts_per_iteration=args.prompts)
-    items = iteration_prompts(data, synthetic_problems(1000, 4, 0), 0, 0)
+    data = DataConfig(prompts_per_iteration=args.prompts, source=args.data_source, split="test",
+                      **({"prompt_template": args.prompt_template} if args.prompt_template else {}))
+    items = iteration_prompts(data, load_problems(data, 0), 0, 0)
     prompts.encode(tokenizer, items, data, model_dir)
     calls, pairs = [], []
     for i in range(args.repeats + 1):  # the first call is the one a stage makes
