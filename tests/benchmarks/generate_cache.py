@@ -138,7 +138,8 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir, args.dtype, device, fused_norms=args.fused_norms).eval()
-    data = DataConfig(prompts_per_iteration=args.prompts, source=args.data_source, split="test",
+    # synthetic_size: the synthetic draw this benchmark has always made, so its figures stay comparable.
+    data = DataConfig(prompts_per_iteration=args.prompts, source=args.data_source, split="test", synthetic_size=1000,
                       **({"prompt_template": args.prompt_template} if args.prompt_template else {}))
     items = iteration_prompts(data, load_problems(data, 0), 0, 0)
     prompts.encode(tokenizer, items, data, model_dir)
