@@ -46,6 +46,19 @@ def pytest_collection_modifyitems(items):
     items[:] = [item for g in order for item in groups[g]]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preset_cache(tmp_path_factory):
+    """Every run the tests start takes its built-in base model from one cache for the session (jobs/base_model.py,
+    SYNCRL_PRESET_CACHE), shared by the xdist workers: one child process writes each preset, where each
+    run would otherwise import torch and transformers to write the same one again."""
+    from jobs.base_model import CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the folder the workers' own temp folders share
+    os.environ.setdefault(CACHE_ENV, str(base / "preset_cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`syncrl run` of TINY_RUN with the local launcher, once per test session (about 35 s on 2 cores):

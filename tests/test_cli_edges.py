@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from jobs.base_model import CACHE_ENV
+from stages.runtime.config import ConfigError
 from tests.conftest import TINY_RUN
 from tests.test_e2e_local import SMALL, syncrl
 
@@ -88,16 +90,45 @@ def test_two_coordinators_started_at_once_on_a_fresh_dir(tmp_path):
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
 
 
-def test_init_model_onto_an_existing_dir_or_twice_at_once(tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["written", "from-the-preset-cache"])
+def test_init_model_onto_an_existing_dir_or_twice_at_once(tmp_path, cached):
     out = tmp_path / "m"
+    env = {k: v for k, v in os.environ.items() if k != CACHE_ENV}  # the suite's own cache (conftest) aside
+    if cached:
+        env[CACHE_ENV] = str(tmp_path / "cache")
     cmd = [sys.executable, "-m", "jobs.cli", "init-model", str(out)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     assert sorted(code for code, _ in results) == [0, 2], results
     assert all("Traceback" not in err for _, err in results)
     refused(syncrl("init-model", str(out)), "already exists")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging directory left
+    # No staging directory left, in the output's directory or the cache.
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["cache", "m"] if cached else ["m"])
+    if cached:
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-llama-seed0-float32",
+                                                                          "tiny-llama-seed0-float32.lock"]
+
+
+def test_the_preset_cache_writes_a_preset_once_and_gives_each_run_a_copy_of_its_own(tmp_path, monkeypatch):
+    from jobs.base_model import create_base_model
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    a = create_base_model(tmp_path / "a", "tiny-llama", 0)
+    entry = tmp_path / "cache" / "tiny-llama-seed0-float32"
+    (entry / "note.txt").write_text("from the cache")  # only a copy of the cached entry carries this file
+    b = create_base_model(tmp_path / "b", "tiny-llama", 0)
+    assert (b / "note.txt").read_text() == "from the cache"
+    weights = (a / "model.safetensors").read_bytes()
+    assert (b / "model.safetensors").read_bytes() == weights == (entry / "model.safetensors").read_bytes()
+    (b / "model.safetensors").write_bytes(b"damaged")  # a run that damages its base model...
+    assert (entry / "model.safetensors").read_bytes() == weights  # ...leaves the cache as it was
+    with pytest.raises(ConfigError, match="already exists"):
+        create_base_model(b, "tiny-llama", 0)
+    monkeypatch.setenv(CACHE_ENV, str(a / "config.json"))  # a file, not a directory
+    with pytest.raises(ConfigError, match=f"{CACHE_ENV}=.*config.json: cannot use it as the preset cache"):
+        create_base_model(tmp_path / "c", "tiny-llama", 0)
+    assert not (tmp_path / "c").exists()
 
 
 def test_status_needs_no_write_access_and_names_a_corrupt_marker(run_dir, tmp_path):
