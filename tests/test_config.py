@@ -1,6 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from stages.runtime.config import ConfigError, config_diff, config_hash, load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write(tmp_path, text):
@@ -113,3 +117,22 @@ def test_a_key_that_moved_to_tuning_is_named_with_its_new_place(tmp_path):
                                                                  "tuning.marker_wait_s=1"])
     assert config_hash(a) == config_hash(b) and config_diff(to_dict(a), to_dict(b)) == []
     assert config_hash(a) != config_hash(load_config(None, ["run_dir=/r", "tuning.remove_padding=false"]))
+
+
+def test_the_multinode_zero3_config_gathers_each_decoder_layer_at_once():
+    # configs/ds_zero3_multinode.json names the decoder layer classes as ZeRO-3 leaf modules: one
+    # gathering hook pair per layer instead of one per submodule. A class renamed by transformers
+    # would be skipped silently by DeepSpeed, so the built-in presets' layers are checked here.
+    import json
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
+    from transformers import LlamaForCausalLM
+
+    from stages.rl.tiny_model import llama_config
+    from stages.runtime.presets import PRESETS
+
+    zero = json.loads((ROOT / "configs" / "ds_zero3_multinode.json").read_text())["zero_optimization"]
+    model = LlamaForCausalLM(llama_config(PRESETS["tiny-llama"]))
+    leaves = apply_zero_leaf_module_config(model, DeepSpeedZeroConfig(**zero).leaf_module)
+    assert leaves == list(model.model.layers)
