@@ -16,6 +16,7 @@ from pathlib import Path
 
 import filelock
 
+from stages.runtime import markers
 from stages.runtime.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,29 +42,11 @@ def create_base_model(out_dir, preset: str, seed: int, dtype: str = "float32") -
     except OSError as e:
         raise ConfigError(f"{CACHE_ENV}={cache}: cannot use it as the preset cache ({e}); "
                           f"point it at a writable directory or unset it") from None
-    return copy_published(entry, Path(out_dir))
-
-
-def copy_published(src: Path, out_dir: Path) -> Path:
-    """A copy of `src` published as out_dir in one rename: a reader never sees part of it. A copy, not
-    links: a run that damages its base model leaves the cache as it was."""
-    if out_dir.exists():
-        raise ConfigError(f"{out_dir} already exists: choose another directory, or remove it first")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(src, tmp)
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if out_dir.exists():  # another writer published first
-                raise ConfigError(f"{out_dir} already exists (written by another process at the same time): "
-                                  f"choose another directory, or remove it first") from None
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        # A copy, not links: a run that damages its base model leaves the cache as it was.
+        return markers.publish_new_dir(Path(out_dir), lambda tmp: shutil.copytree(entry, tmp, dirs_exist_ok=True))
+    except FileExistsError as e:
+        raise ConfigError(str(e)) from None
 
 
 def write_base_model(out_dir, preset: str, seed: int, dtype: str = "float32") -> Path:

@@ -10,12 +10,10 @@ a 100k-parameter model to learn from, and it can encode any GSM8K problem.
 
 from __future__ import annotations
 
-import shutil
 import string
-import tempfile
 from pathlib import Path
 
-from stages.runtime.markers import write_json_atomic
+from stages.runtime.markers import publish_new_dir, write_json_atomic
 from stages.runtime.presets import PRESETS
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -59,7 +57,7 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out_dir = Path(out_dir)
-    if out_dir.exists():
+    if out_dir.exists():  # refused before building the model; publish_new_dir checks again at the end
         raise FileExistsError(f"{out_dir} already exists: choose another directory, or remove it first")
     tokenizer = build_tokenizer()
     config = llama_config(PRESETS[preset], tokenizer)
@@ -70,22 +68,13 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
             model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype))
     else:
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A staging directory of this process's own: two writers at once never share one.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / "syncrl_preset.json", {"preset": preset, "seed": seed})
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if out_dir.exists():  # another writer published first
-                raise FileExistsError(f"{out_dir} already exists (written by another process at the same time): "
-                                      f"choose another directory, or remove it first") from None
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    publish_new_dir(out_dir, fill)
     return out_dir
 
 

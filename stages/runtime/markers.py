@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -258,6 +259,29 @@ def publish_dir(staging: Path, final: Path) -> None:
         final.rename(old)
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_new_dir(out_dir: Path, fill) -> Path:
+    """Publish a new directory: fill(staging) writes it into a staging directory of this process's own
+    beside out_dir (two writers at once never share one), which is then renamed to out_dir in one step.
+    out_dir must not exist; FileExistsError names it otherwise, also where another writer published
+    first. Nothing staged is left behind."""
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists: choose another directory, or remove it first")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        fill(tmp)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if out_dir.exists():  # another writer published first
+                raise FileExistsError(f"{out_dir} already exists (written by another process at the same time): "
+                                      f"choose another directory, or remove it first") from None
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
 
 
 def prune_iterations(paths: RunPaths, parent: Path, keep: int, upto: int) -> list[str]:
