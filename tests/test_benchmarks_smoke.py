@@ -91,10 +91,13 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
     modes = ["compact", "static:batch_size=4", "dynamic"]
     out = run(["tests/benchmarks/generate_cache.py", "--preset", "tiny-llama", "--dtype", "float32",
                "--prompts", "2", "--attempts", "2", "--new-tokens", "4", "--repeats", "1", "--json",
-               str(tmp_path / "gen.json"), "--modes", ",".join(modes)])
+               str(tmp_path / "gen.json"), "--modes", ",".join(modes), "--step-times"])
     for mode in modes:
         assert re.search(rf"^{re.escape(mode)} +[0-9.]+s +[0-9]+ +[0-9]+ ", out, re.M), mode
     assert "bound at 4.8 TB/s" in out and "compactions" in out
+    # The compact sampler's steps by rows decoded, and its line per call.
+    assert re.search(r"^STEPS +4 +[1-9][0-9]* +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%$", out, re.M), out
+    assert re.search(r"^decoding call 1: 4 sequences of width [0-9]+, ", out, re.M), out
 
 
 def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):

@@ -450,9 +450,9 @@ class CompactDecoder:
             ids_out.append(row[:n])
             lp_out.append(row_lp[:n] if row_lp is not None else None)
         st.spilled += len(cut)
-        log.info("decoding call %d: %d sequences, %d steps, %d new tokens, %d spilled, in %.1fs "
-                 "(%d compactions, %d graphs so far)", st.calls, n_seq, drawn, sum(len(x) for x in ids_out),
-                 len(cut), time.perf_counter() - t0, st.compactions, st.graphs)
+        log.info("decoding call %d: %d sequences of width %d, %d steps, %d new tokens, %d spilled, in %.1fs "
+                 "(prefill %.2fs; %d compactions, %d graphs so far)", st.calls, n_seq, width, drawn,
+                 sum(len(x) for x in ids_out), len(cut), time.perf_counter() - t0, t1 - t0, st.compactions, st.graphs)
         return ids_out, lp_out, cut
 
     def _prefill(self, prefixes, counts, width):

@@ -11,9 +11,12 @@ Prints per mode: the first call's wall time, new tokens/s (up to end-of-sequence
 positions/s (rows that decode steps ran, finished rows included), the sampling and log-prob-pass
 split, the memory-bandwidth bound for the same completions, and the roofline per phase (prefill, all
 sequences running, the tail) against the compact sampler's own times (tests/benchmarks/decode_bound.py).
+With --step-times, also the compact sampler's decode steps grouped by the rows they ran: wall time
+per step against that step's memory bound (weights plus the K/V of the attended prefix), and its
+line per call (prompt width, steps, prefill time).
 
     python tests/benchmarks/generate_cache.py [--preset small-llama] [--prompts 256] [--attempts 8]
-        [--new-tokens 512] [--repeats 0] [--modes compact,static:batch_size=512]
+        [--new-tokens 512] [--repeats 0] [--modes compact,static:batch_size=512] [--step-times]
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="trace each mode's first call (torch.profiler) and print where its time went; "
                              "the tracing slows the call, so its figures are not the mode's")
+    parser.add_argument("--step-times", action="store_true",
+                        help="time every decode step of the compact sampler (from one step's forward to the next: "
+                             "the loop syncs once a step) and print them by rows decoded, against each step's "
+                             "memory bound; no sync is added")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # MODE@MODEL_DIR, one mode's process
     args = parser.parse_args()
     if args.child:
@@ -81,6 +88,9 @@ def main() -> int:
         child = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}@{model_dir}"]
         proc = subprocess.run(child, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        for line in proc.stderr.splitlines():
+            if line.startswith("STEPS ") or "decoding call" in line:
+                print(line, flush=True)
         if args.profile:
             print(proc.stderr[proc.stderr.find("PROFILE"):] if "PROFILE" in proc.stderr else proc.stderr[-3000:])
         if proc.returncode != 0 or not lines:
@@ -115,7 +125,13 @@ def main() -> int:
 
 def run_mode(args, mode: str, model_dir: Path) -> dict:
     t_start = time.perf_counter()
+    import logging
+
     import torch
+
+    # The sampler's line per call (its width, steps, prefill), for the parent to print.
+    logging.getLogger("syncrl.generate").addHandler(logging.StreamHandler(sys.stderr))
+    logging.getLogger("syncrl.generate").setLevel(logging.INFO)
 
     import yaml
 
@@ -143,6 +159,7 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
                       **({"prompt_template": args.prompt_template} if args.prompt_template else {}))
     items = iteration_prompts(data, load_problems(data, 0), 0, 0)
     prompts.encode(tokenizer, items, data, model_dir)
+    steps = watch_steps(args.bandwidth) if args.step_times else None
     calls, pairs = [], []
     for i in range(args.repeats + 1):  # the first call is the one a stage makes
         torch.manual_seed(i)
@@ -165,8 +182,60 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
         if i == 0:
             first_done = time.perf_counter() - t_start
             pairs = [(len(r["prompt_ids"]), len(r["completion_ids"])) for r in rows]
+            if steps is not None:
+                print(steps.table(), file=sys.stderr, flush=True)
+                steps.records.clear()
     peak = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
     return {"first_call_done_s": first_done, "calls": calls, "pairs": pairs, "peak_gib": peak}
+
+
+class StepWatch:
+    """Each decode step's rows, attended prefix and wall time, taken from the compact sampler's own
+    forward calls: the interval from one step's forward to the next is that step's wall (the loop's
+    per-step sync sits between them), its bound the weights plus the K/V it reads at `bandwidth`."""
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+        self.records: list[tuple[float, int, int, float, int]] = []  # (start, rows, prefix, bound s, call)
+
+    def table(self) -> str:
+        from collections import defaultdict
+
+        # A step whose forward captured a graph is timed with its capture (rows -1); the last step of a
+        # call has no next forward in the same call and is left out.
+        rows = defaultdict(lambda: [0, 0.0, 0.0, 0])
+        for (t, b, _, bnd, call), (t_next, *_, call_next) in zip(self.records, self.records[1:]):
+            if call_next != call:
+                continue
+            r = rows[b]
+            r[0] += 1
+            r[1] += t_next - t
+            r[2] += bnd
+        lines = [f"STEPS {'rows':>6} {'steps':>6} {'wall s':>8} {'ms/step':>8} {'bound ms':>8} {'share':>6}"]
+        for b in sorted(rows, reverse=True):
+            n, wall, bnd, _ = rows[b]
+            lines.append(f"STEPS {b:>6} {n:>6} {wall:>8.2f} {wall / n * 1e3:>8.2f} {bnd / n * 1e3:>8.3f} "
+                         f"{bnd / wall:>6.1%}")
+        return "\n".join(lines)
+
+
+def watch_steps(bandwidth: float) -> StepWatch:
+    """Wrap the compact sampler's decode forward (from outside it) to record every step."""
+    from stages.rl import decoding
+
+    watch = StepWatch(bandwidth)
+    forward = decoding.CompactDecoder._forward
+
+    def timed(self, b, attend):
+        bnd = (self.weight_bytes + b * attend * self.kv_per_position) / bandwidth
+        watch.records.append((time.perf_counter(), b, attend, bnd, self.stats.calls))
+        before = self.stats.graphs
+        forward(self, b, attend)
+        if self.stats.graphs != before:  # this step captured a graph: its wall is not a step's
+            watch.records[-1] = (watch.records[-1][0], -1, attend, 0.0, self.stats.calls)
+
+    decoding.CompactDecoder._forward = timed
+    return watch
 
 
 def roofline_line(rf: dict, stats: dict, sample_s: float | None) -> str:
