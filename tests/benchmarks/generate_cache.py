@@ -1,6 +1,7 @@
 """Benchmark: the generate stage's sampling, per generate.cache mode, on the reference workload.
 
-Every mode runs in a fresh process, as a generate stage runs it: load the model, then one call of
+Every mode runs in a fresh process, as a generate stage runs it: load the model (with the stage's
+tuning: fused RMSNorm unless the mode says `fused_rms_norm=false`), then one call of
 `stages.generate.sample_rows` over all of a rank's prompts (which also runs the old-log-prob pass),
 then --repeats more calls in the same process (what a longer-lived process would see, compiled code
 and captured graphs included). Modes are generate.cache values, optionally with generate.* or tuning.* settings after a
@@ -56,8 +57,6 @@ def main() -> int:
     parser.add_argument("--matmul-below", type=int, default=None,
                         help="decode steps attending to fewer positions use the batched-products attention "
                              "(decoding.MATMUL_ATTENTION_BELOW), the longer ones SDPA")
-    parser.add_argument("--fused-norms", action="store_true",
-                        help="torch's fused RMSNorm instead of HF's forward (tuning.fused_rms_norm=true)")
     parser.add_argument("--profile", action="store_true",
                         help="trace each mode's first call (torch.profiler) and print where its time went; "
                              "the tracing slows the call, so its figures are not the mode's")
@@ -153,7 +152,9 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     tuning = TuningConfig(**{k: v for k, v in overrides.items() if k in tuning_keys})
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
-    model = load_policy(model_dir, args.dtype, device, fused_norms=args.fused_norms).eval()
+    # The model as the generate stage loads it, with the mode's tuning (HF's RMSNorm: fused_rms_norm=false).
+    model = load_policy(model_dir, args.dtype, device, fused_norms=tuning.fused_rms_norm,
+                        fused_layers=tuning.fused_layers).eval()
     # synthetic_size: the synthetic draw this benchmark has always made, so its figures stay comparable.
     data = DataConfig(prompts_per_iteration=args.prompts, source=args.data_source, split="test", synthetic_size=1000,
                       **({"prompt_template": args.prompt_template} if args.prompt_template else {}))
