@@ -312,12 +312,26 @@ def _check_deepspeed(cfg: RunConfig) -> list[str]:
         problems.append(f"train.durable_every is {cfg.train.durable_every} but train.local_checkpoint_dir is not set: "
                         "without node-local checkpoints every checkpoint is written to the run dir; set "
                         "train.local_checkpoint_dir, or train.durable_every=1")
+    problems += precision_problems(ds, cfg, path)
     if cfg.tuning.train_graphs:
         problems += cuda_graph_problems(cfg, stage, path)
     if cfg.tuning.grad_norm == "flat":
         problems += flat_grad_norm_problems(ds, stage, path)
     problems += [f"{key} {path}: {p}" for p in deepspeed_key_problems(ds, cfg)]
     return problems
+
+
+def precision_problems(ds: dict, cfg: RunConfig, ds_path: Path) -> list[str]:
+    """With bf16 or fp16 on, DeepSpeed casts the model to that dtype and trains it there (its fp32
+    copy is the optimizer's): the weights train writes, which save exports and generate samples
+    from, are in it. A model.dtype that differs would fail only at save, after an iteration's work."""
+    for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        section = ds.get(key)
+        if isinstance(section, dict) and section.get("enabled") is True and cfg.model.dtype != dtype:
+            return [f"train.deepspeed_config {ds_path}: {key}.enabled is true, so DeepSpeed trains the model in "
+                    f"{dtype}, but model.dtype is {cfg.model.dtype}: set model.dtype: {dtype}, or turn {key} off "
+                    f"in the DeepSpeed config to train in {cfg.model.dtype}"]
+    return []
 
 
 def local_checkpoint_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.check import check_files
+from jobs.check import check_files, precision_problems
 from stages.runtime.config import dump_config, load_config
 from stages.runtime.paths import STAGES
 
@@ -90,7 +90,32 @@ def test_changed_config_on_resume_is_refused_with_the_diff(tmp_path):
 
 def test_shipped_configs_pass(tmp_path):
     for ds in sorted((ROOT / "configs").glob("ds_*.json")):
-        assert check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={ds}"], "local") == [], ds
+        # Each with the model dtype its mixed precision trains in (float32 where it has none).
+        dtype = "bfloat16" if json.loads(ds.read_text()).get("bf16", {}).get("enabled") else "float32"
+        assert check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={ds}", f"model.dtype={dtype}"],
+                           "local") == [], ds
+    for config in ("rl_2node.yaml", "gpu_small.yaml", "rl_70b_2node.yaml"):  # the model.dtype each ships with
+        cfg = load_config(str(ROOT / "configs" / config), [f"run_dir={tmp_path}/r"])
+        assert precision_problems(json.loads((ROOT / cfg.train.deepspeed_config).read_text()), cfg, Path()) == []
+
+
+@pytest.mark.parametrize("ds,dtype,says", [
+    ({"bf16": {"enabled": True}}, "float32", "bf16.enabled is true, so DeepSpeed trains the model in bfloat16, "
+                                             "but model.dtype is float32: set model.dtype: bfloat16"),
+    ({"fp16": {"enabled": True}}, "bfloat16", "set model.dtype: float16, or turn fp16 off"),
+    ({"bf16": {"enabled": False}}, "float32", None),
+    ({"bf16": {"enabled": True}}, "bfloat16", None),
+])
+def test_the_model_dtype_is_the_one_deepspeed_trains_in(tmp_path, ds, dtype, says):
+    # A mismatch used to surface only in save's layout check, after generate and train had run.
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **ds}))
+    problems = check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={path}", f"model.dtype={dtype}"],
+                           "local")
+    if says is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and says in problems[0] and str(path) in problems[0], problems
 
 
 def test_cli_exit_status_and_no_traceback(tmp_path):
