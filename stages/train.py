@@ -189,21 +189,26 @@ def preload(ctx: StageContext) -> deferred_checkpoint.HostPool | None:
     nothing that needs a process group: no communicator sits idle while generate and score run."""
     import importlib
 
-    t0 = time.time()
-    import deepspeed  # noqa: F401 (the import is the point)
-
-    t1 = time.time()
-    for name in DEEPSPEED_LAZY_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
-            log.debug("preload: %s not in this DeepSpeed", name)
-    log.info("preload: deepspeed imported in %.1fs, the modules its initialize imports in %.1fs", t1 - t0,
-             time.time() - t1)
+    # Its parts go in the marker (preload_phases): what to shorten when the preload runs past the turn.
+    phases = Phases(time.time())
+    with phases("deepspeed"):
+        import deepspeed  # noqa: F401 (the import is the point)
+    with phases("deepspeed_lazy_modules"):
+        for name in DEEPSPEED_LAZY_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
+                log.debug("preload: %s not in this DeepSpeed", name)
+    log.info("preload: deepspeed imported in %.1fs, the modules its initialize imports in %.1fs",
+             phases.seconds["deepspeed"], phases.seconds["deepspeed_lazy_modules"])
     # The host memory for the snapshot fills in a thread of its own (seconds, mostly outside the GIL):
     # started first, so that the rehearsal's seconds overlap it and it is done before the turn.
     pool = deferred_checkpoint.prepare_pool(ctx)
-    rehearse_step(ctx, preload_model_code(ctx), deepspeed_config(ctx, warn=False))  # set-up warns
+    with phases("model_code"):
+        config, ds_config = preload_model_code(ctx), deepspeed_config(ctx, warn=False)  # set-up warns
+    with phases("rehearsal"):
+        rehearse_step(ctx, config, ds_config)
+    ctx.preload_phases.update(phases.seconds)
     return pool
 
 

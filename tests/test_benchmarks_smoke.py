@@ -106,7 +106,7 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
                str(tiny_run.dir), "--json", str(tmp_path / "pipe.json")], timeout=600)
     for needle in ("wall time per stage", "train start-up phases", "deepspeed_initialize", "checkpoint GB/s",
                    "start-up per stage", "non-compute share", "tensors differ from base", "process exit",
-                   "preload past turn s"):
+                   "preload past turn s", "train preload, started early", "deepspeed_lazy_modules"):
         assert needle in out, needle
     import json
     figures = json.loads((tmp_path / "pipe.json").read_text())

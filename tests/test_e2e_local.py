@@ -57,6 +57,12 @@ def test_two_iterations_then_everything_skipped(tiny_run):
     for it, stage in ((0, "train"), (0, "save"), (1, "generate"), (1, "train"), (1, "save")):
         m = json.loads((run / f"iter_{it:05d}" / "markers" / f"{stage}.rank_00000.done").read_text())
         assert m["started_early_waited_s"] + m["started_early_late_s"] > 0, (it, stage)
+        # Where its life before the turn went: the interpreter and imports, then preload's parts.
+        parts = m["preload_phases"]
+        if stage == "train":
+            assert set(parts) == {"imports", "deepspeed", "deepspeed_lazy_modules", "model_code", "rehearsal"}
+            assert sum(parts.values()) == pytest.approx(m["import_s"], abs=1.0), (parts, m["import_s"])
+        assert parts["imports"] > 0
     assert "iteration 0 train    started early (attempt 1): loading while generate runs" in proc.stderr
     assert "iteration 1 train    started early (attempt 1): loading while train runs" in proc.stderr
     assert "iteration 1 save     started early (attempt 1): loading while generate runs" in proc.stderr

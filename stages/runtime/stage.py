@@ -46,6 +46,9 @@ class StageContext:
     # failure now is not an attempt's (the coordinator starts the stage afresh).
     waiting: bool = False
     preloaded: object = None  # what preload(ctx) returned, for main (None when not started early)
+    # A process started early: seconds from its creation to preload (interpreter and imports), then
+    # the parts preload names; they add up to its import_s unless it waited.
+    preload_phases: dict = field(default_factory=dict)
 
     def summarize(self, fmt: str, *args) -> None:
         """The stage's one-line result: logged here, and by the coordinator from the marker."""
@@ -98,21 +101,27 @@ class StageContext:
             outputs=markers.outputs_record(outputs, self.paths.root),
             extra={**(extra or {}), "memory": memory, "summary": self.summary, "import_s": _import_seconds(self),
                    **({"started_early_waited_s": self.waited_s, "started_early_late_s": self.late_s}
-                      if self.waited_s or self.late_s else {})})
+                      if self.waited_s or self.late_s else {}),
+                   **({"preload_phases": self.preload_phases} if self.preload_phases else {})})
 
 
 def _import_seconds(ctx: StageContext) -> float:
     """From process creation to the stage's start: interpreter start-up and imports (for a process
     started early, the time it spent waiting for its turn is not counted)."""
+    return max(0.0, ctx.start - _process_created() - ctx.waited_s)
+
+
+def _process_created() -> float:
     import psutil
 
-    return max(0.0, ctx.start - psutil.Process().create_time() - ctx.waited_s)
+    return psutil.Process().create_time()
 
 
 def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> float | None:
     """Run preload(ctx) (its result kept in ctx.preloaded), then wait for `after`; returns the
     seconds waited, or None on giving up."""
     t0 = time.time()
+    ctx.preload_phases["imports"] = round(max(0.0, t0 - _process_created()), 3)
     if preload is not None:
         ctx.preloaded = preload(ctx)
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
