@@ -193,19 +193,18 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
 class StepWatch:
     """Each decode step's rows, attended prefix and wall time, taken from the compact sampler's own
     forward calls: the interval from one step's forward to the next is that step's wall (the loop's
-    per-step sync sits between them), its bound the weights plus the K/V it reads at `bandwidth`."""
+    per-step sync sits between them), its bound the weights plus the K/V it reads."""
 
-    def __init__(self, bandwidth: float):
-        self.bandwidth = bandwidth
-        self.records: list[tuple[float, int, int, float, int]] = []  # (start, rows, prefix, bound s, call)
+    def __init__(self):
+        self.records: list[tuple[float, int, float, int]] = []  # (start, rows, bound s, call)
 
     def table(self) -> str:
         from collections import defaultdict
 
         # A step whose forward captured a graph is timed with its capture (rows -1); the last step of a
         # call has no next forward in the same call and is left out.
-        rows = defaultdict(lambda: [0, 0.0, 0.0, 0])
-        for (t, b, _, bnd, call), (t_next, *_, call_next) in zip(self.records, self.records[1:]):
+        rows = defaultdict(lambda: [0, 0.0, 0.0])
+        for (t, b, bnd, call), (t_next, *_, call_next) in zip(self.records, self.records[1:]):
             if call_next != call:
                 continue
             r = rows[b]
@@ -214,7 +213,7 @@ class StepWatch:
             r[2] += bnd
         lines = [f"STEPS {'rows':>6} {'steps':>6} {'wall s':>8} {'ms/step':>8} {'bound ms':>8} {'share':>6}"]
         for b in sorted(rows, reverse=True):
-            n, wall, bnd, _ = rows[b]
+            n, wall, bnd = rows[b]
             lines.append(f"STEPS {b:>6} {n:>6} {wall:>8.2f} {wall / n * 1e3:>8.2f} {bnd / n * 1e3:>8.3f} "
                          f"{bnd / wall:>6.1%}")
         return "\n".join(lines)
@@ -224,16 +223,16 @@ def watch_steps(bandwidth: float) -> StepWatch:
     """Wrap the compact sampler's decode forward (from outside it) to record every step."""
     from stages.rl import decoding
 
-    watch = StepWatch(bandwidth)
+    watch = StepWatch()
     forward = decoding.CompactDecoder._forward
 
     def timed(self, b, attend):
         bnd = (self.weight_bytes + b * attend * self.kv_per_position) / bandwidth
-        watch.records.append((time.perf_counter(), b, attend, bnd, self.stats.calls))
+        watch.records.append((time.perf_counter(), b, bnd, self.stats.calls))
         before = self.stats.graphs
         forward(self, b, attend)
         if self.stats.graphs != before:  # this step captured a graph: its wall is not a step's
-            watch.records[-1] = (watch.records[-1][0], -1, attend, 0.0, self.stats.calls)
+            watch.records[-1] = (watch.records[-1][0], -1, 0.0, self.stats.calls)
 
     decoding.CompactDecoder._forward = timed
     return watch
