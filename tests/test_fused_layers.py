@@ -101,11 +101,14 @@ def test_fused_layers_give_hfs_logits_and_gradients(kernels_on, kind, layout):
     if layout == "flat":
         lay_out_flat(fused)
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
-    # Llama's q, k, v weights (and gate, up) are back to back in a flat buffer, and the fused layers
-    # take them as one view; Qwen2's biases sit between them, so those are concatenated.
-    viewed = layout == "flat" and kind == "llama"
+    # fuse_layers laid q, k, v (and gate, up) back to back, their values kept: the fused layers take
+    # them as one view. In DeepSpeed's flat buffer Llama's stay so; Qwen2's biases sit between its
+    # q, k and v weights there, so those are concatenated.
+    viewed = layout == "own" or kind == "llama"
     assert fused_layers.adjacent([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) == viewed
-    assert fused_layers.adjacent([mlp.gate_proj.weight, mlp.up_proj.weight]) == (layout == "flat")
+    assert fused_layers.adjacent([mlp.gate_proj.weight, mlp.up_proj.weight])
+    if kind == "qwen2" and layout == "own":
+        assert fused_layers.adjacent([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
     models_ = (plain, fused) if device == "cpu" else (plain, fused, reference)
 
     def compare(keep=None, **inputs):

@@ -12,8 +12,8 @@ SiLU-times-up three more, each reading and writing a full activation (docs/bench
     its two gradients, in float32, from the product's output alone.
 The parameters, their names and the checkpoint stay HF's. Where the weights lie back to back in one
 buffer, as DeepSpeed's ZeRO 1-2 lays a module's parameters out in the order they were registered
-(q, k, v; gate, up), the concatenation is a view of that buffer; elsewhere it is a copy, each
-forward (a few MB a layer). Either way its backward hands each weight its own slice.
+(q, k, v; gate, up), the concatenation is a view of that buffer; fuse_layers lays out a model it
+routes the same way (joined_layout). Either way its backward hands each weight its own slice.
 
 The fused forward runs where the kernels run (CUDA, or Triton's interpreter on the host for the
 tests: TRITON_INTERPRET=1 set before the first use) and only for a whole-sequence pass (no KV cache:
@@ -58,11 +58,29 @@ def fuse_layers(model) -> int:
         name = type(module).__name__
         if name in ATTENTION and hasattr(module, "q_proj"):
             module.forward = types.MethodType(_attention_forward, module)
+            joined_layout([module.q_proj, module.k_proj, module.v_proj])
             n += 1
         elif name in MLP and getattr(module.config, "hidden_act", None) in SILU:
             module.forward = types.MethodType(_mlp_forward, module)
+            joined_layout([module.gate_proj, module.up_proj])
             n += 1
     return n
+
+
+def joined_layout(linears: list) -> None:
+    """Lay the weights (and biases) of `linears` back to back in one storage, in this order, so that
+    joined() takes a view of them instead of copying them at every forward: a model loaded from its
+    files holds each apart, and generate's decode steps would copy the MLP's gate and up weights at
+    every step, more bytes than the step reads otherwise. Each keeps its values; DeepSpeed's ZeRO 1-2
+    later move them into a buffer of their own, in the same order."""
+    for attr in ("weight", "bias"):
+        params = [getattr(m, attr) for m in linears]
+        if params[0] is None or adjacent([p.data for p in params]):
+            continue
+        with torch.no_grad():
+            buffer = torch.cat([p.data for p in params])
+        for p, part in zip(params, buffer.split([p.shape[0] for p in params])):
+            p.data = part
 
 
 def _runs_here(x: torch.Tensor) -> bool:
