@@ -158,6 +158,38 @@ def test_decoding_with_a_cache_runs_hfs_forward(kernels_on, monkeypatch):
     assert len(calls) == 2  # a whole-sequence pass: the fused one, in each layer
 
 
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_compact_sampler_runs_the_fused_layers_and_draws_the_policys_tokens(kernels_on, kind, monkeypatch):
+    # The compact sampler's cache takes the fused attention's rotated K and V: its prefill and its decode
+    # steps run the fused layers, and each drawn token's log-prob is HF's teacher-forced one.
+    from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length
+    from stages.rl.modeling import token_logprobs
+
+    device = kernels_on
+    plain, fused = models(kind, device)
+    widths = []
+    rotary = fused_layers.RotaryQKV.apply
+    monkeypatch.setattr(fused_layers.RotaryQKV, "apply", lambda *a: widths.append(a[0].shape[1]) or rotary(*a))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    params = SamplingParams(max_new_tokens=6, eos_token_id=3, pad_token_id=0)
+    decoder = CompactDecoder(fused.eval(), rows=6, length=buffer_length(5, 6), cuda_graphs=device == "cuda")
+    ids, lps = decoder.sample(prompts, 2, params, torch.Generator(device).manual_seed(0), record_logprobs=True)
+    assert 1 in widths and 5 in widths, widths  # decode steps of one position, the prefill of the prompts
+    diffs = []
+    for j, (completion, lp) in enumerate(zip(ids, lps)):
+        prompt = prompts[j // 2]
+        x = torch.tensor([prompt + completion], device=device)
+        with torch.no_grad():
+            logits = plain.eval()(input_ids=x).logits
+        diffs.append((token_logprobs(logits[:, len(prompt) - 1:-1], x[:, len(prompt):])[0].cpu() - torch.tensor(lp)).abs())
+    diffs = torch.cat(diffs)
+    if device == "cpu":  # float32: the same arithmetic up to its order
+        assert diffs.max() < 1e-4, diffs.max()
+    else:  # bf16, other kernels
+        assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
+
+
 def test_a_head_size_that_is_not_a_power_of_two(kernels_on):
     # Heads of 24 (halves of 12: the kernel's block is 16, masked); odd sizes have no halves to rotate.
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -204,6 +204,8 @@ class RowCache:
     CUDA graph can replay because their addresses never change within one layout."""
 
     is_compileable = False
+    # The fused attention (stages/rl/fused_layers.py) hands update() its rotated K and V directly.
+    takes_fused_layers = True
 
     def __init__(self, config, positions: int, dtype, layer_devices: list, shards: int = 1):
         heads = kv_heads(config) // shards  # a tensor-parallel model's layers hold their shard of the heads

@@ -16,8 +16,9 @@ buffer, as DeepSpeed's ZeRO 1-2 lays a module's parameters out in the order they
 routes the same way (joined_layout). Either way its backward hands each weight its own slice.
 
 The fused forward runs where the kernels run (CUDA, or Triton's interpreter on the host for the
-tests: TRITON_INTERPRET=1 set before the first use) and only for a whole-sequence pass (no KV cache:
-training and log-prob passes); anything else takes HF's own forward. ZeRO-3 gathers a module's
+tests: TRITON_INTERPRET=1 set before the first use), for a whole-sequence pass (training and log-prob
+passes) and for the compact sampler's prefill and decode steps, whose cache takes the rotated K and V
+as they come; a cache of HF's takes HF's own forward. ZeRO-3 gathers a module's
 weights when that module is called, which the concatenation bypasses: fuse_layers leaves a
 partitioned model alone.
 """
@@ -88,10 +89,17 @@ def _runs_here(x: torch.Tensor) -> bool:
     return k is not None and (x.is_cuda or k.INTERPRETED)
 
 
+CACHE_KEYS = ("cache", "past_key_values", "past_key_value")
+
+
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
-    cached = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "past_key_value"))
-    if args or cached or position_embeddings is None or not _runs_here(hidden_states):
+    cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+    # A cache of HF's takes HF's forward; the compact sampler's (stages/rl/decoding.py, RowCache) takes
+    # the rotated K and V as they come, so its prefill and decode steps run the fused layers too.
+    own_cache = cache is None or getattr(cache, "takes_fused_layers", False)
+    if args or not own_cache or position_embeddings is None or not _runs_here(hidden_states):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KEYS}
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     heads, kv_heads = self.q_proj.out_features // self.head_dim, self.k_proj.out_features // self.head_dim
@@ -100,12 +108,15 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     qkv = F.linear(hidden_states, joined([p.weight for p in projections]), bias)
     cos, sin = position_embeddings
     q, k, v = RotaryQKV.apply(qkv, cos, sin, heads, kv_heads, self.head_dim)  # each [B, T, heads, D]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
     if attention is None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as attention
     if getattr(self, "sliding_window", None) is not None:
         kwargs["sliding_window"] = self.sliding_window
-    out, weights = attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+    out, weights = attention(self, q.transpose(1, 2), k, v, attention_mask,
                              dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
                              **kwargs)
     return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights

@@ -349,8 +349,8 @@ class TuningConfig:
     fused_rms_norm: bool = True
     # Llama, Mistral and Qwen2 attention and MLP on a GPU: q, k and v from one matrix product, gate and
     # up from another, the rotary embedding and SiLU(gate) * up each one Triton kernel a direction
-    # (stages/rl/fused_layers.py), for train's update and the whole-sequence log-prob passes; decoding
-    # with a KV cache and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it).
+    # (stages/rl/fused_layers.py), for train's update, the whole-sequence log-prob passes and the compact
+    # sampler; HF's generate and ZeRO-3 keep HF's forward. Needs Triton (torch's CUDA wheels bring it).
     fused_layers: bool = True
     # The compact sampler replays each decode step as a CUDA graph (on GPU); off, every step launches
     # its kernels.
