@@ -190,6 +190,10 @@ def test_rounds_are_planned_from_the_buffer():
     assert plan(2048, 2048 * 130, prompts, 512) == [(410, 410, 576)] * 4 + [(408, 410, 576)]
     # A row cap splits a prompt's attempts over two calls.
     assert plan(12, 10**6, prompts[:3], 64) == [(12, 12, 128), (12, 12, 128)]
+    # Several calls take the prefixes shortest first, so each call pads to a width near its own prompts'.
+    mixed = [([1] * n, [i]) for i, n in enumerate([90, 10, 70, 30, 50, 20])]
+    dec = SimpleNamespace(rows=2, positions=10**6)
+    assert [[len(p) for p, _ in g] for g, _, _ in D._plan(dec, mixed, 8)] == [[10, 20], [30, 50], [70, 90]]
 
 
 def test_ladder_and_buffer_shapes():

@@ -359,7 +359,9 @@ class CompactDecoder:
             calls = math.ceil(n / (self.positions // full))
             per_call, length = math.ceil(n / calls), full
         chunks, current, size = [], [], 0
-        for prefix, qs in groups:
+        # Shortest prefixes first: each call's rows are padded to its own longest prefix and every decode
+        # step reads the K/V of that whole width, so calls of like lengths read less padding.
+        for prefix, qs in sorted(groups, key=lambda g: len(g[0])):
             while qs:  # a prompt's attempts may go in two calls: each prefills the prompt
                 take = qs[:per_call - size]
                 current.append((prefix, take))
