@@ -80,3 +80,44 @@ def test_the_runtime_stands_on_its_own(request):
     proc, names = imported_modules(["-c", code], root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "stages" in names and not names & set(HEAVY), sorted(names & set(HEAVY))
+
+
+def test_train_imports_deepspeeds_lazy_modules_without_compiling(request):
+    """DeepSpeed's Muon module (imported by its ZeRO engines whatever the optimizer) compiles a function
+    with torch.compile as it defines it, which imports Inductor's compiler; train imports it with
+    torch.compile put off to the function's first call. The same process then builds a ZeRO-3 engine
+    and steps it, and still has not imported the compiler; torch.compile is torch's own again."""
+    code = """
+import json, os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed
+from stages import train
+real = torch.compile
+train.import_deepspeed_lazy_modules()
+assert torch.compile is real
+from deepspeed.runtime.zero.muon import original_muon
+assert "torch._inductor.compile_fx" not in sys.modules, "Inductor's compiler imported"
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=64))
+ds = json.load(open("configs/ds_zero3_multinode.json"))
+ds.pop("bf16")
+ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+deepspeed.init_distributed(dist_backend="gloo")
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+ids = torch.randint(0, 64, (1, 8))
+engine.backward(engine(input_ids=ids, labels=ids).loss)
+engine.step()
+print("compile_fx imported:", "torch._inductor.compile_fx" in sys.modules)
+print("muon's function deferred:", not hasattr(original_muon.zeropower_via_newtonschulz5, "_torchdynamo_orig_callable"))
+"""
+    import os
+
+    from jobs.launchers import free_port
+
+    root = request.config.rootpath
+    proc = subprocess.run([sys.executable, "-c", code, str(free_port())], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(root)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compile_fx imported: False" in proc.stdout, proc.stdout
+    assert "muon's function deferred: True" in proc.stdout, proc.stdout
