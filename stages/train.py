@@ -354,6 +354,23 @@ def _zero3_init_context(ds_config: dict):
     return HfDeepSpeedConfig(ds_config)
 
 
+def out_of_memory_advice(ctx: StageContext, lengths: list[int], step: int, micro: int, micro_batches: int,
+                         error: BaseException) -> str:
+    """The message of a micro-batch that ran out of GPU memory: which one, its size, and the settings
+    that make micro-batches smaller (completions grow as the policy learns, so a size that fit in
+    iteration 0 may not later)."""
+    t, tuning = ctx.cfg.train, ctx.cfg.tuning
+    rows, positions = len(lengths), sum(lengths)
+    budget = tuning.max_tokens_per_micro_batch
+    size = (f"tuning.max_tokens_per_micro_batch (now {budget}) lower" if budget
+            else f"tuning.max_tokens_per_micro_batch={max(1, positions // 2)} (a token budget) or train.micro_batch_size "
+                 f"lower than {t.micro_batch_size}")
+    return (f"iteration {ctx.iteration}, rank {ctx.rank}: out of GPU memory in optimizer step {step}, micro-batch "
+            f"{micro} of {micro_batches} ({rows} rows, {positions} positions, the longest {max(lengths, default=0)}). "
+            f"Set {size}; or model.gradient_checkpointing=true; or more GPUs with ZeRO-3, which shards the "
+            f"weights and optimizer state over them. ({error})")
+
+
 def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog,
                 norm: grad_norm.FlatGradNorm | None = None) -> tuple[list[dict], dict]:
     """All epochs of optimizer steps; returns (per-optimizer-step history, this rank's totals).
@@ -385,9 +402,13 @@ def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchd
                 # The boundary is the step's last micro-batch, however many the step has.
                 engine.set_gradient_accumulation_boundary(i == len(step.micro_batches) - 1)
             t1 = time.perf_counter()
-            loss, metrics = micro_step(engine, ref, batch, t, temperature, step.normalizer)
-            t2 = time.perf_counter()
-            engine.step()
+            try:
+                loss, metrics = micro_step(engine, ref, batch, t, temperature, step.normalizer)
+                t2 = time.perf_counter()
+                engine.step()
+            except torch.OutOfMemoryError as e:
+                raise torch.OutOfMemoryError(out_of_memory_advice(ctx, batch["lengths"], len(history) + 1, i + 1,
+                                                                  len(step.micro_batches), e)) from e
             t3 = time.perf_counter()
             host["batches_s"] += t1 - t0
             host["forward_backward_s"] += t2 - t1
