@@ -271,9 +271,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             },
             "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
                              for k in train[0].get("startup_phases", {})},
-            # Started early: the parts of the train process's life before its turn.
+            # Started early: the parts of the train process's life before its turn, in the order they ran.
             "train_preload": {k: max(r.get("preload_phases", {}).get(k, 0.0) for r in train)
-                              for k in {k for r in train for k in r.get("preload_phases", {})}},
+                              for k in dict.fromkeys(k for r in train for k in r.get("preload_phases", {}))},
             "compute_s": gen_s + train_s,
             "save": {k: m["save"][k] for k in ("consolidate_s", "export_s", "bytes")}
                     | {k: m["save"].get(k) for k in ("verify_s", "export")},
@@ -371,9 +371,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         print("  train start-up phases (s, slowest rank):")
         for k in phases:
             print(f"    {k:<22}", "  ".join(f"{r['train_phases'].get(k, 0.0):>9.1f}" for r in per_it))
-    order = ("imports", "deepspeed", "deepspeed_lazy_modules", "model_code", "rehearsal")  # as preload runs them
-    preload = sorted({k for r in per_it for k in r["train_preload"]},
-                     key=lambda k: order.index(k) if k in order else len(order))
+    preload = list(dict.fromkeys(k for r in per_it for k in r["train_preload"]))  # as the markers list them
     if preload:
         print("  train preload, started early, before its turn (s, slowest rank; the host memory fills beside it):")
         for k in preload:
