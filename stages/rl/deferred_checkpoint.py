@@ -3,7 +3,8 @@
 DeepSpeed's save_checkpoint builds each file's state (model states, every rank's ZeRO optimizer
 shard) and hands it to its checkpoint engine's save(state, path). DeferredWrites stands in for that
 engine: save() copies the state's tensors to host memory and queues the file; flush() writes the
-queue with the engine it replaced. Between the two, train writes the policy's weights for save,
+queue as the engine it replaced would, paced (stages/runtime/paced_writes.py: the stages running
+beside it sync their own files). Between the two, train writes the policy's weights for save,
 frees the GPU and writes its marker, so save and the next generate do not wait for the optimizer
 state to reach the disk. The copy to host memory (copy_to_host) is what stays before the marker.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from stages.rl import policy_file
-from stages.runtime import local_checkpoints, markers
+from stages.runtime import local_checkpoints, markers, paced_writes
 from stages.runtime.memory import available_host_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
@@ -78,7 +79,7 @@ class DeferredWrites:
         while self.queued:
             path, state = self.queued.pop(0)
             try:
-                self.inner.save(state, path)
+                self._write(state, path)
             except BaseException as e:
                 # Free space as the write failed (before its partial file goes, and before another
                 # rank's failed write frees its own); then what was cut short goes, for the redo.
@@ -94,6 +95,17 @@ class DeferredWrites:
             beat()
         self.held = 0
         return time.time() - t0
+
+    def _write(self, state, path: str) -> None:
+        """What DeepSpeed's torch engine writes, paced (stages/runtime/paced_writes.py): the stages
+        running beside this write sync their own files. Another engine writes its own way."""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        if not isinstance(self.inner, TorchCheckpointEngine):
+            self.inner.save(state, path)
+            return
+        with paced_writes.PacedFile(path) as f:
+            torch.save(state, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
 
 
 def why_not(cfg) -> str | None:

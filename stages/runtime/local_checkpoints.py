@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from stages.runtime import markers
+from stages.runtime import markers, paced_writes
 from stages.runtime.dist import node_name
 from stages.runtime.paths import RunPaths, numbered
 
@@ -156,10 +156,9 @@ def missing_shards(names, ranks: int) -> list[int]:
 
 
 def copy_durably(src: Path, dst: Path) -> None:
-    """Copy one file and flush it to its storage: the durable copy must survive the node."""
-    shutil.copyfile(src, dst)
-    with open(dst, "rb+") as f:
-        os.fsync(f.fileno())
+    """Copy one file onto its storage (the durable copy must survive the node), paced: the
+    iteration's stages run beside the copy (stages/runtime/paced_writes.py)."""
+    paced_writes.copy_paced(src, dst)
 
 
 def prune(folder_root: Path, keep: int) -> list[str]:
