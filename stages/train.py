@@ -365,10 +365,11 @@ def out_of_memory_advice(ctx: StageContext, lengths: list[int], step: int, micro
     size = (f"tuning.max_tokens_per_micro_batch (now {budget}) lower" if budget
             else f"tuning.max_tokens_per_micro_batch={max(1, positions // 2)} (a token budget) or train.micro_batch_size "
                  f"lower than {t.micro_batch_size}")
+    checkpointing = "" if ctx.cfg.model.gradient_checkpointing else "; or model.gradient_checkpointing=true"
     return (f"iteration {ctx.iteration}, rank {ctx.rank}: out of GPU memory in optimizer step {step}, micro-batch "
             f"{micro} of {micro_batches} ({rows} rows, {positions} positions, the longest {max(lengths, default=0)}). "
-            f"Set {size}; or model.gradient_checkpointing=true; or more GPUs with ZeRO-3, which shards the "
-            f"weights and optimizer state over them. ({error})")
+            f"Set {size}{checkpointing}; or more GPUs with ZeRO-3, which shards the weights and optimizer state "
+            f"over them. ({error})")
 
 
 def run_updates(ctx: StageContext, engine, ref, rows: list[dict], device, watchdog,

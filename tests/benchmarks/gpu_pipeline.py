@@ -269,8 +269,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
                 "train": max(visible_import_s(r) + r["startup_s"] for r in train),
                 "save": visible_import_s(m["save"]),
             },
+            # The start-up phases (stages/runtime/logs.py Phases), in the order train ran them.
             "train_phases": {k: max(r.get("startup_phases", {}).get(k, 0.0) for r in train)
-                             for k in train[0].get("startup_phases", {})},
+                             for k in dict.fromkeys(k for r in train for k in r.get("startup_phases", {}))},
             # Started early: the parts of the train process's life before its turn, in the order they ran.
             "train_preload": {k: max(r.get("preload_phases", {}).get(k, 0.0) for r in train)
                               for k in dict.fromkeys(k for r in train for k in r.get("preload_phases", {}))},
@@ -362,11 +363,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
           f"peak = {peak:.3g} FLOP/s per GPU; attention-score FLOPs not counted")
     ckpt_bytes = checkpoint_bytes(run_dir)
     if ckpt_bytes:
-        print(f"  checkpoint GB/s       ", "  ".join(f"{ckpt_bytes / 1e9 / r['train']['checkpoint_s']:>9.2f}"
+        print("  checkpoint GB/s       ", "  ".join(f"{ckpt_bytes / 1e9 / r['train']['checkpoint_s']:>9.2f}"
                                                    for r in per_it), f"  ({ckpt_bytes / 1e9:.2f} GB per checkpoint)")
-    order = ("import_deepspeed", "read_train_set", "process_group", "load_models", "deepspeed_initialize",
-             "resume_checkpoint", "barrier")  # as train runs them
-    phases = sorted(per_it[0]["train_phases"], key=lambda k: order.index(k) if k in order else len(order))
+    phases = list(dict.fromkeys(k for r in per_it for k in r["train_phases"]))  # as the markers list them
     if phases:
         print("  train start-up phases (s, slowest rank):")
         for k in phases:
