@@ -19,7 +19,7 @@ from pathlib import Path
 from jobs.launchers import group_problem, launcher_kind
 from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
                                   to_dict, zero_stage)
-from stages.runtime import reward_plugin
+from stages.runtime import footprint, reward_plugin
 from stages.runtime.data import CHAT_TEMPLATE_FIX, read_jsonl_problems
 from stages.runtime.dist import allocation
 from stages.runtime.paths import RunPaths
@@ -43,6 +43,54 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
     problems += _check_generate_spread(cfg, launcher, env)
     problems += _check_generate_engine(cfg)
     return problems
+
+
+def check_warnings(cfg: RunConfig) -> list[str]:
+    """What may stop the run later without being wrong now, one line each, for a config check()
+    passes: the disk space the run will hold against what its filesystems have free (an estimate:
+    other users write there too)."""
+    cfg = copy.deepcopy(cfg)
+    resolve_paths(cfg)
+    return space_warnings(cfg)
+
+
+def space_warnings(cfg: RunConfig) -> list[str]:
+    """The checkpoints, exported models and base model the run will hold at its peak
+    (stages/runtime/footprint.py), against each filesystem's free space plus what the run already
+    holds there."""
+    params = footprint.parameters(cfg.model.path, cfg.model.preset)
+    if params is None:
+        return []
+    fp = footprint.footprint(cfg, params)
+    try:
+        short = footprint.shortfalls(cfg, fp)
+    except OSError:  # a filesystem that will not say its free space: nothing to estimate against
+        return []
+    out = []
+    for folder, need, have, parts in short:
+        what = {"checkpoints": f"checkpoints, {fp.checkpoints_held} of {_gb(fp.checkpoint)} (save.keep_checkpoints="
+                               f"{cfg.save.keep_checkpoints} and the one being written)",
+                "models": f"exported models, {fp.models_held} of {_gb(fp.model)} (save.keep_models={cfg.save.keep_models}"
+                          + (" keeps every iteration's)" if not cfg.save.keep_models else ")"),
+                "base model": "the base model"}
+        listed = "; ".join(f"{what[name]}: {_gb(size)}" for name, size in parts)
+        settings, names = [], dict(parts)
+        if "models" in names and fp.models_held > 1:
+            room = (have - need + names["models"]) // fp.model
+            if room >= 1:
+                settings.append(f"save.keep_models={min(int(room), fp.models_held - 1)}")
+        if "checkpoints" in names and cfg.save.keep_checkpoints > 1:
+            settings.append("save.keep_checkpoints=1")
+        fix = (f"set {' or '.join(settings)}, or " if settings else "") + \
+            "use a run_dir (or a link for checkpoints/ or models/) on a filesystem with more room"
+        size = f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
+        out.append(f"{folder}: the run will hold about {_gb(need)} there ({listed}) for {size} parameters, "
+                   f"and {_gb(have)} is free (counting what the run holds there already): {fix}")
+    return out
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _check_reward_fn(cfg: RunConfig) -> list[str]:
@@ -131,13 +179,17 @@ def model_dimensions(cfg: RunConfig) -> tuple[int, int] | None:
     return q, kv
 
 
-def check_files(config_path: str | None, overrides=(), launcher: str = "auto") -> list[str]:
-    """Load and check; a config that does not load is itself the (single) problem."""
+def check_files(config_path: str | None, overrides=(), launcher: str = "auto", with_warnings: bool = False):
+    """Load and check; a config that does not load is itself the (single) problem. Returns the
+    problems, or with_warnings (problems, warnings)."""
     try:
         cfg = load_config(config_path, overrides)
     except ConfigError as e:
-        return [str(e)]
-    return check(cfg, launcher)
+        return ([str(e)], []) if with_warnings else [str(e)]
+    problems = check(cfg, launcher)
+    if not with_warnings:
+        return problems
+    return problems, ([] if problems else check_warnings(cfg))
 
 
 def resolve(value: str) -> Path | None:

@@ -105,7 +105,9 @@ def _launcher_arg(p) -> None:
 def cmd_check(args) -> int:
     from jobs.check import check_files
 
-    problems = check_files(args.config, args.overrides, args.launcher)
+    problems, warnings = check_files(args.config, args.overrides, args.launcher, with_warnings=True)
+    for w in warnings:
+        print(f"syncrl check: warning: {w}", file=sys.stderr)
     for p in problems:
         print(f"syncrl check: {p}", file=sys.stderr)
     if not problems:

@@ -20,7 +20,7 @@ from pathlib import Path
 import filelock
 
 from jobs.base_model import create_base_model
-from jobs.check import check, first_int, frozen_config_problem, resolve_paths
+from jobs.check import check, check_warnings, first_int, frozen_config_problem, resolve_paths
 from jobs.engines import Engines
 from jobs.metrics import MetricsLog
 from stages.runtime import local_checkpoints, markers, pipeline
@@ -577,6 +577,8 @@ def checked_config(config, overrides, launcher: str) -> RunConfig:
     if problems:
         raise ConfigError("\n".join(problems) if len(problems) == 1 else
                           f"{len(problems)} problems:\n  " + "\n  ".join(problems))
+    for warning in check_warnings(cfg):
+        log.warning("%s", warning)
     return cfg
 
 

@@ -10,13 +10,10 @@ a 100k-parameter model to learn from, and it can encode any GSM8K problem.
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 from stages.runtime.markers import publish_new_dir, write_json_atomic
-from stages.runtime.presets import PRESETS
-
-SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+from stages.runtime.presets import CHARACTERS, PRESETS, SPECIAL_TOKENS
 
 # Presets initialised where they are created in the stored dtype, on a GPU when there is one: an
 # fp32 copy of the 8B shape on the host would take 28 GB and minutes of one core's random numbers.
@@ -27,8 +24,7 @@ def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS.values()) + chars)}
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS.values()) + CHARACTERS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     # One token per character; Fuse joins them back without the spaces WordLevel would insert.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")

@@ -2,6 +2,14 @@
 character tokenizer, created by stages/rl/tiny_model.py. Torch-free, so that `syncrl check` can read
 a preset's shape without building it."""
 
+import string
+
+# The built-in tokenizer's vocabulary (stages/rl/tiny_model.py builds it): the special tokens, then
+# one token per printable character.
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
+
 PRESETS = {
     # ~70k parameters: trains in well under a second per step on 2 CPU cores.
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
