@@ -66,7 +66,7 @@ def test_check_warns_where_every_iterations_model_would_not_fit_and_says_how_man
     (line,) = [x for x in proc.stderr.splitlines() if "warning" in x]
     assert f"syncrl check: warning: {disk}: the run will hold about" in line
     assert "exported models, 500 of" in line and "save.keep_models=0 keeps every iteration's" in line
-    keep = int(line.split("save.keep_models=")[-1].split()[0])
+    keep = int(line.split("set save.keep_models=")[-1].split(",")[0])
     # The number it names fits: the checkpoints, the base model and `keep` models within the disk.
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
     assert 2 * params * 12 + params * 4 * (1 + keep) <= free < 2 * params * 12 + params * 4 * (2 + keep)
