@@ -27,7 +27,8 @@ from stages.rl import (cuda_graphs, deferred_checkpoint, flops, grad_norm, packi
                       train_checkpoint)
 from stages.rl.batches import collate, sequence_logprobs
 from stages.rl.loss import ppo_clip_loss
-from stages.rl.modeling import DTYPES, compile_layers, device_for, load_policy, preload_model_code, set_cpu_threads
+from stages.rl.modeling import (DTYPES, build_policy, compile_layers, device_for, load_policy, preload_model_code,
+                                 set_cpu_threads)
 from stages.rl.steps import optimizer_steps
 from stages.runtime import dist
 from stages.runtime.config import ConfigError, deepspeed_derived, zero_stage
@@ -94,10 +95,13 @@ def set_up(ctx: StageContext) -> TrainRun:
         # partition it too (it runs outside the engine, so it must keep whole weights).
         ref = load_reference(ctx, device) if t.kl_coef > 0 else None
         hf_ds_config = _zero3_init_context(ds_config)
+        # The checkpoint resumed below sets every weight: the policy's files are read only where there is none.
+        build = build_policy if train_checkpoint.resumes_weights(ctx) else load_policy
         # ZeRO-3 must load on the host (weights are partitioned as they load); below it, straight to the GPU.
-        model = load_policy(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device,
-                            fused_norms=cfg.tuning.fused_rms_norm,
-                            fused_layers=cfg.tuning.fused_layers)
+        model = build(ctx.policy_path(), cfg.model.dtype, None if hf_ds_config is not None else device,
+                      fused_norms=cfg.tuning.fused_rms_norm, fused_layers=cfg.tuning.fused_layers)
+        if build is build_policy:
+            log.info("the policy built without its weights: the checkpoint it resumes sets them")
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if cfg.tuning.remove_padding:

@@ -2,7 +2,12 @@
 each writes, and what a train process started early hands it. The modes' writes and resumes run for
 real in the end-to-end tests (test_deferred_checkpoint, test_local_checkpoints, test_e2e_local)."""
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from stages.rl import deferred_checkpoint, train_checkpoint
 from stages.runtime.config import dump_config, load_config
@@ -65,3 +70,29 @@ def test_resume_at_iteration_0_reads_nothing(tmp_path):
     staging.mkdir(parents=True)
     checkpointer.resume(Engine())
     assert not staging.exists()  # what a killed attempt left is cleared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["configs/ds_zero2_cpu.json", "configs/ds_zero3_cpu.json"])
+def test_a_resumed_policy_takes_every_weight_from_the_checkpoint(tmp_path, zero):
+    """Where train resumes a checkpoint it builds the policy without reading its weights: every one
+    comes from the checkpoint. A real 2-rank run of 2 iterations; then iteration 1's set-up again,
+    its policy filled with NaN as it is built, holds after the resume exactly the weights iteration
+    0 exported."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_train_batching import run_workers_in_turn
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run}",
+                           "iterations=2", "ranks=2", "data.prompts_per_iteration=8", "generate.attempts=4",
+                           "save.keep_checkpoints=2", f"train.deepspeed_config={zero}", "wandb.enabled=false",
+                           "--launcher", "local"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = run_workers_in_turn("tests.workers.resumed_weights", tmp_path, run, 2, {"resumed": []})["resumed"]
+    assert got["built"]  # set-up took the path under test
+    exported = AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00000")
+    want = dict(exported.named_parameters())
+    assert set(got["weights"]) == set(want)
+    for name, w in got["weights"].items():
+        assert torch.equal(w, want[name].detach()), name

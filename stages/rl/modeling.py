@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -62,6 +63,30 @@ def load_policy(path: Path, dtype: str, device: torch.device | None = None, spre
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
     if device is not None and "device_map" not in kwargs:
         model.to(device)
+    return _with_kernels(model, fused_norms, fused_layers)
+
+
+def build_policy(path: Path, dtype: str, device: torch.device | None = None, fused_norms: bool = False,
+                 fused_layers: bool = False):
+    """The architecture of the HF model at `path` with its weights left unset, for a train whose
+    checkpoint sets every one of them: reading them from `path` first would read the same values
+    twice (at 70B, 140 GB from the shared filesystem). On `device`, or on the host (device None:
+    ZeRO-3 partitions it as it is built); the kernels as load_policy's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+
+    config = AutoConfig.from_pretrained(path)
+    with no_init_weights(), (torch.device(device) if device is not None else contextlib.nullcontext()):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model.tie_weights()  # as from_pretrained ties them (the skipped initialisation skips the tying too)
+    return _with_kernels(model, fused_norms, fused_layers)
+
+
+def _with_kernels(model, fused_norms: bool, fused_layers: bool):
     if fused_norms:
         fuse_rms_norms(model)
     if fused_layers:

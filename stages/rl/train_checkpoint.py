@@ -251,6 +251,20 @@ def resume(ctx: StageContext, engine) -> None:
     log.info("resumed weights and optimizer state from %s", path)
 
 
+def resumes_weights(ctx: StageContext) -> bool:
+    """Whether resume() will load a checkpoint: that sets every one of the policy's weights (the
+    module's states, then the fp32 master copy over them), so set-up builds the policy without reading
+    its weights first. False where resume() will raise instead (the previous checkpoint not whole, or
+    on neither the node nor the run dir): its error comes as before."""
+    if ctx.iteration == 0 or local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1):
+        return False
+    tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
+    try:
+        return (resume_source(ctx, tag) / tag).is_dir()
+    except local_checkpoints.CheckpointGone:
+        return False
+
+
 def resume_source(ctx: StageContext, tag: str) -> Path:
     """The folder holding checkpoint `tag` to resume from: this node's local copy when its record
     names the attempt the previous train's marker recorded, else the run dir's (durable) copy."""
