@@ -37,8 +37,8 @@ REMEDY = {
     "generate": "tensor-parallel sampling over a node's GPUs, data-parallel groups above it (planned: only "
                 "generate.backend: vllm's tensor-parallel wiring exists, not run above one GPU)",
     "score + gather": "torch-free processes, one task each for gather",
-    "train: start-up": "train starts early, beside save and generate, so its imports leave the critical path; "
-                       "its model load and engine do not",
+    "train: start-up": "train starts early, beside save and generate, so its imports leave the critical path, "
+                       "and takes its weights from the checkpoint it resumes; its engine stays on it",
     "train: resume": "node-local checkpoints (train.local_checkpoint_dir), each rank reading its own shard",
     "train: update": "ZeRO-3 across the nodes in a fresh process group per iteration; more tokens per "
                      "micro-batch hide its all-gathers",
@@ -136,7 +136,9 @@ def iteration(name: str, gpu_name: str, a) -> dict:
     stages = {
         "generate": a.generate_startup_s + load + gen["seconds"],
         "score + gather": a.cpu_stages_s,
-        "train: start-up": a.train_startup_s + load,
+        # A steady iteration's train builds the policy without reading it: the checkpoint it resumes
+        # sets every weight (stages/rl/modeling.py build_policy). Iteration 0 reads the base model.
+        "train: start-up": a.train_startup_s,
         "train: resume": per_node / ((a.local_read_gbs if local else a.shared_fs_gbs) * gb),
         "train: update": train["seconds"],
         "train: checkpoint write": per_node / ((a.local_write_gbs if local else a.shared_fs_gbs) * gb),
@@ -152,9 +154,9 @@ def iteration(name: str, gpu_name: str, a) -> dict:
         per_stage[stage_of(part)] = per_stage.get(stage_of(part), 0.0) + seconds
     top = max(per_stage, key=per_stage.get)
     part = max((k for k in stages if stage_of(k) == top), key=stages.get)
-    # What waits on the shared filesystem: both model loads, the export, persist's excess (and the
-    # checkpoint itself when it goes there).
-    on_fs = 2 * load + EXPORT_BYTES * P / fs + stages["persist (durable copy)"]
+    # What waits on the shared filesystem: generate's model load, the export, persist's excess (and
+    # the checkpoint itself when it goes there).
+    on_fs = load + EXPORT_BYTES * P / fs + stages["persist (durable copy)"]
     on_fs += 0 if local else stages["train: resume"] + stages["train: checkpoint write"]
     return dict(model=name, gpu=gpu_name, nodes=a.nodes, gpus_per_node=a.gpus_per_node, params=P,
                 tokens=train["tokens"], stages=stages, per_stage=per_stage, iteration_s=sum(stages.values()),
@@ -231,7 +233,7 @@ def table(r: dict) -> str:
     how = {
         "generate": f"model load {r['load_s']:.1f} + sampling {g['seconds']:.1f} s: {g['groups']} x {g['tp']} GPU(s), "
                     f"{g['waves']} wave(s) of {g['steps']} steps, {g['memory_bound_steps']} memory-bound",
-        "train: start-up": f"fixed + model load {r['load_s']:.1f} s",
+        "train: start-up": "fixed; the weights come from the checkpoint resumed",
         "train: resume": f"{r['checkpoint_gb_per_node']:.0f} GB per node from {r['checkpoint']} storage",
         "train: update": f"compute {t['compute_s']:.1f} s, ZeRO-3 comm {t['comm_s']:.1f} s over {t['micro_batches']} "
                          f"micro-batches ({t['exposed_comm_s']:.1f} s exposed)",
@@ -247,8 +249,8 @@ def table(r: dict) -> str:
     lines += [f"{'iteration':<25}{total:>8.1f}{1:>7.0%}",
               f"dominant stage: {r['dominant']} ({r['per_stage'][r['dominant']] / total:.0%}), most of it "
               f"{r['dominant_part']} ({r['stages'][r['dominant_part']] / total:.0%}): {r['remedy']}",
-              f"waiting on the shared filesystem: {r['shared_fs_s']:.1f} s ({r['shared_fs_s'] / total:.0%}: model "
-              f"loads, export, persist's excess{'' if r['checkpoint'] == 'local' else ', checkpoint'})",
+              f"waiting on the shared filesystem: {r['shared_fs_s']:.1f} s ({r['shared_fs_s'] / total:.0%}: "
+              f"generate's model load, the export, persist's excess{'' if r['checkpoint'] == 'local' else ', checkpoint'})",
               f"checkpoint round trip ({CHECKPOINT_BYTES} B/param, {r['checkpoint_gb_per_node']:.0f} GB per node): "
               f"node-local {r['round_trip_local_s']:.1f} s, shared filesystem {r['round_trip_shared_s']:.1f} s "
               f"({r['round_trip_shared_s'] / r['round_trip_local_s']:.1f}x)",
