@@ -45,23 +45,28 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
     return problems
 
 
-def check_warnings(cfg: RunConfig) -> list[str]:
+def check_warnings(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> list[str]:
     """What may stop the run later without being wrong now, one line each, for a config check()
     passes: the disk space the run will hold against what its filesystems have free (an estimate:
     other users write there too)."""
+    env = os.environ if env is None else env
     cfg = copy.deepcopy(cfg)
     resolve_paths(cfg)
-    return space_warnings(cfg)
+    # A node's own storage (train.local_checkpoint_dir) is seen only on a node of the run: this
+    # machine with the local launcher, or inside the allocation (the coordinator's node).
+    nodes = 1 if launcher_kind(launcher, env) == "local" else \
+        (min(cfg.slurm.nodes or _allocation_nodes(env), _allocation_nodes(env)) if _allocation_nodes(env) else None)
+    return space_warnings(cfg, nodes)
 
 
-def space_warnings(cfg: RunConfig) -> list[str]:
-    """The checkpoints, exported models and base model the run will hold at its peak
-    (stages/runtime/footprint.py), against each filesystem's free space plus what the run already
-    holds there."""
+def space_warnings(cfg: RunConfig, nodes: int | None = None) -> list[str]:
+    """The checkpoints, exported models and base model the run will hold at its peak, and with
+    `nodes` a node's share of the node-local checkpoints (stages/runtime/footprint.py), against each
+    filesystem's free space plus what the run already holds there."""
     params = footprint.parameters(cfg.model.path, cfg.model.preset)
     if params is None:
         return []
-    fp = footprint.footprint(cfg, params)
+    fp = footprint.footprint(cfg, params, nodes)
     try:
         short = footprint.shortfalls(cfg, fp)
     except OSError:  # a filesystem that will not say its free space: nothing to estimate against
@@ -72,7 +77,9 @@ def space_warnings(cfg: RunConfig) -> list[str]:
                                f"{cfg.save.keep_checkpoints} and the one being written)",
                 "models": f"exported models, {fp.models_held} of {_gb(fp.model)} (save.keep_models={cfg.save.keep_models}"
                           + (" keeps every iteration's)" if not cfg.save.keep_models else ")"),
-                "base model": "the base model"}
+                "base model": "the base model",
+                "node-local checkpoints": "this node's share of the node-local checkpoints, the last and the one "
+                                          "being written (train.local_checkpoint_dir)"}
         listed = "; ".join(f"{what[name]}: {_gb(size)}" for name, size in parts)
         settings, names = [], dict(parts)
         if "models" in names and fp.models_held > 1:
@@ -81,8 +88,12 @@ def space_warnings(cfg: RunConfig) -> list[str]:
                 settings.append(f"save.keep_models={min(int(room), fp.models_held - 1)}")
         if "checkpoints" in names and cfg.save.keep_checkpoints > 1:
             settings.append("save.keep_checkpoints=1")
-        fix = (f"set {' or '.join(settings)}, or " if settings else "") + \
-            "use a run_dir (or a link for checkpoints/ or models/) on a filesystem with more room"
+        places = [] if set(names) == {"node-local checkpoints"} else \
+            ["use a run_dir (or a link for checkpoints/ or models/) on a filesystem with more room"]
+        if "node-local checkpoints" in names:
+            places.append("point train.local_checkpoint_dir at node storage with more room (or unset it: the "
+                          "checkpoints then go to the run dir)")
+        fix = (f"set {' or '.join(settings)}, or " if settings else "") + ", or ".join(places)
         size = f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
         out.append(f"{folder}: the run will hold about {_gb(need)} there ({listed}) for {size} parameters, "
                    f"and {_gb(have)} is free (counting what the run holds there already): {fix}")
@@ -189,7 +200,7 @@ def check_files(config_path: str | None, overrides=(), launcher: str = "auto", w
     problems = check(cfg, launcher)
     if not with_warnings:
         return problems
-    return problems, ([] if problems else check_warnings(cfg))
+    return problems, ([] if problems else check_warnings(cfg, launcher))
 
 
 def resolve(value: str) -> Path | None:

@@ -577,7 +577,7 @@ def checked_config(config, overrides, launcher: str) -> RunConfig:
     if problems:
         raise ConfigError("\n".join(problems) if len(problems) == 1 else
                           f"{len(problems)} problems:\n  " + "\n  ".join(problems))
-    for warning in check_warnings(cfg):
+    for warning in check_warnings(cfg, launcher):
         log.warning("%s", warning)
     return cfg
 

@@ -97,3 +97,19 @@ def test_what_the_run_already_holds_counts_as_room(small_disk):
     assert "warning" not in check(f"run_dir={disk}/run", "iterations=3").stderr
     (disk / "other.bin").write_bytes(b"\0" * (1 << 20))  # not the run's: it does not count
     assert check(f"run_dir={disk}/run", "iterations=3").stderr.count("warning") == 1
+
+
+def test_node_local_checkpoints_count_against_the_nodes_storage_where_it_can_be_seen(small_disk, tmp_path):
+    """With the local launcher this machine is the node: train.local_checkpoint_dir's filesystem holds
+    the last checkpoint and the one being written. Elsewhere (a login node) its storage is not the
+    nodes': not counted."""
+    store = small_disk(1024)
+    proc = check(f"run_dir={tmp_path}/run", f"train.local_checkpoint_dir={store}/syncrl", "model.preset=small-llama",
+                 "--launcher", "local")
+    (line,) = [x for x in proc.stderr.splitlines() if "warning" in x]
+    assert f"warning: {store}: the run will hold about 11.4 GB there (this node's share of the node-local" in line
+    assert "point train.local_checkpoint_dir at node storage with more room" in line
+    assert "use a run_dir" not in line  # the run dir's filesystem has room for the rest
+    cfg = load_config(TINY, [f"run_dir={tmp_path}/run", f"train.local_checkpoint_dir={store}/syncrl"])
+    assert footprint.footprint(cfg, 1000, nodes=None).node_local == 0
+    assert footprint.footprint(cfg, 1000, nodes=2).node_local == 12_000  # 2 x 12 kB over 2 nodes

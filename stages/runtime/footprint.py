@@ -14,7 +14,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.runtime import safetensors_header
+from stages.runtime import local_checkpoints, safetensors_header
+from stages.runtime.paths import RunPaths
 from stages.runtime.presets import PRESETS, VOCAB_SIZE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -58,23 +59,34 @@ class Footprint:
     model: int  # one exported model
     models_held: int
     base: int  # the built-in base model, written into the run dir (0 with model.path)
+    node_local: int = 0  # this node's share of train.local_checkpoint_dir's checkpoints (0: not counted)
+    node_local_dir: Path | None = None
 
     def parts(self, root: Path) -> list[tuple[str, int, Path]]:
         return [("checkpoints", self.checkpoint * self.checkpoints_held, root / "checkpoints"),
                 ("models", self.model * self.models_held, root / "models"),
-                ("base model", self.base, root / "base_model")]
+                ("base model", self.base, root / "base_model"),
+                ("node-local checkpoints", self.node_local, self.node_local_dir or root)]
 
 
-def footprint(cfg, params: int) -> Footprint:
+def footprint(cfg, params: int, nodes: int | None = None) -> Footprint:
+    """`nodes`: how many nodes share train.local_checkpoint_dir's checkpoints, where this process can
+    see a node's storage (on a node of the run); None: not counted."""
     train_bytes = DTYPE_BYTES[cfg.model.dtype]
     export = cfg.save.export_dtype
     master = MASTER_BYTES if train_bytes < 4 else 0
     models = cfg.save.keep_models or cfg.iterations
-    return Footprint(checkpoint=params * (train_bytes + master + ADAM_MOMENT_BYTES),
+    checkpoint = params * (train_bytes + master + ADAM_MOMENT_BYTES)
+    local = cfg.train.local_checkpoint_dir and nodes
+    return Footprint(checkpoint=checkpoint,
                      checkpoints_held=min(cfg.save.keep_checkpoints, cfg.iterations) + 1,
                      model=params * DTYPE_BYTES[cfg.model.dtype if export == "model" else export],
                      models_held=min(models, cfg.iterations),
-                     base=0 if cfg.model.path else params * train_bytes)
+                     base=0 if cfg.model.path else params * train_bytes,
+                     # A node keeps its share of the last checkpoint and writes the next one beside it.
+                     node_local=2 * checkpoint // nodes if local else 0,
+                     node_local_dir=local_checkpoints.this_node(cfg.train.local_checkpoint_dir,
+                                                                RunPaths(cfg.run_dir)) if local else None)
 
 
 def filesystem_of(path: Path) -> Path:
