@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stages.runtime import markers
 from tests.slurm_fixture import rank_pid, wait_for
 from tests.test_faults import no_half_files, report, small_disk  # noqa: F401 (small_disk is a fixture)
 
@@ -184,8 +185,8 @@ def test_host_memory_is_prepared_by_the_previous_snapshots_layout(tmp_path):
     layout = tmp_path / "snapshot_layout.rank_00000.json"
     pool = HostPool()
     pool.prepare(layout, budget_bytes=1 << 20)
-    time.sleep(0.3)  # the previous train writes its layout while this one waits
-    layout.write_text(json.dumps([["bfloat16", [3, 4]], ["float32", [5]], ["float32", [5]], ["float32", [0]]]))
+    time.sleep(0.3)  # the previous train writes its layout while this one waits, atomically as train does
+    markers.write_json_atomic(layout, [["bfloat16", [3, 4]], ["float32", [5]], ["float32", [5]], ["float32", [0]]])
     first = pool.take((3, 4), torch.bfloat16)
     assert first.shape == (3, 4) and first.dtype == torch.bfloat16 and not first.any()
     assert pool.take((5,), torch.float32) is not None and pool.take((5,), torch.float32) is not None
