@@ -54,8 +54,8 @@ def check_warnings(cfg: RunConfig, launcher: str = "auto", env: dict | None = No
     resolve_paths(cfg)
     # A node's own storage (train.local_checkpoint_dir) is seen only on a node of the run: this
     # machine with the local launcher, or inside the allocation (the coordinator's node).
-    nodes = 1 if launcher_kind(launcher, env) == "local" else \
-        (min(cfg.slurm.nodes or _allocation_nodes(env), _allocation_nodes(env)) if _allocation_nodes(env) else None)
+    alloc = _allocation_nodes(env)
+    nodes = 1 if launcher_kind(launcher, env) == "local" else (_run_nodes(cfg, alloc) if alloc else None)
     return space_warnings(cfg, nodes)
 
 
@@ -219,7 +219,12 @@ def world_size(cfg: RunConfig, launcher: str, env) -> int:
     if launcher_kind(launcher, env) == "local":
         return cfg.ranks
     alloc = _allocation_nodes(env) or cfg.slurm.submit_nodes  # outside one: what `syncrl submit` asks for
-    return min(cfg.slurm.nodes or alloc, alloc) * cfg.slurm.tasks_per_node
+    return _run_nodes(cfg, alloc) * cfg.slurm.tasks_per_node
+
+
+def _run_nodes(cfg: RunConfig, alloc: int) -> int:
+    """Nodes the multi-rank stages use of an allocation of `alloc` (slurm.nodes, 0: all of them)."""
+    return min(cfg.slurm.nodes or alloc, alloc)
 
 
 def _allocation_nodes(env) -> int | None:

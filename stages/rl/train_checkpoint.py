@@ -230,15 +230,7 @@ def resume(ctx: StageContext, engine) -> None:
     """Load the previous iteration's checkpoint (weights and optimizer state) into `engine`."""
     if ctx.iteration == 0:
         return
-    tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
-    problem = local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1)
-    if problem:
-        # Written after the previous train's marker, and not (or not whole): its optimizer state is
-        # lost, and the weights save exported came with it.
-        raise MissingInput(f"iteration {ctx.iteration - 1}'s checkpoint was to be written after its train marker, "
-                           f"and is not there whole ({problem}): redo train: syncrl rerun {ctx.paths.root} "
-                           f"--iteration {ctx.iteration - 1} --stage train")
-    source = resume_source(ctx, tag)
+    source, tag = previous_checkpoint(ctx)
     if not (source / tag).is_dir():
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     source / tag, ctx.policy_path())
@@ -251,18 +243,32 @@ def resume(ctx: StageContext, engine) -> None:
     log.info("resumed weights and optimizer state from %s", path)
 
 
+def previous_checkpoint(ctx: StageContext) -> tuple[Path, str]:
+    """(folder, tag) of the previous iteration's checkpoint, which resume loads where that folder
+    holds the tag. Raises MissingInput where it was to be written after the previous train's marker
+    and is not whole, CheckpointGone where it is on neither the node nor the run dir."""
+    tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
+    problem = local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1)
+    if problem:
+        # Written after the previous train's marker, and not (or not whole): its optimizer state is
+        # lost, and the weights save exported came with it.
+        raise MissingInput(f"iteration {ctx.iteration - 1}'s checkpoint was to be written after its train marker, "
+                           f"and is not there whole ({problem}): redo train: syncrl rerun {ctx.paths.root} "
+                           f"--iteration {ctx.iteration - 1} --stage train")
+    return resume_source(ctx, tag), tag
+
+
 def resumes_weights(ctx: StageContext) -> bool:
     """Whether resume() will load a checkpoint: that sets every one of the policy's weights (the
     module's states, then the fp32 master copy over them), so set-up builds the policy without reading
-    its weights first. False where resume() will raise instead (the previous checkpoint not whole, or
-    on neither the node nor the run dir): its error comes as before."""
-    if ctx.iteration == 0 or local_checkpoints.deferred_problem(ctx.paths, ctx.iteration - 1):
+    its weights first. False where resume() will raise instead: its error comes as before."""
+    if ctx.iteration == 0:
         return False
-    tag = ctx.paths.checkpoint_tag(ctx.iteration - 1)
     try:
-        return (resume_source(ctx, tag) / tag).is_dir()
-    except local_checkpoints.CheckpointGone:
+        source, tag = previous_checkpoint(ctx)
+    except (MissingInput, local_checkpoints.CheckpointGone):
         return False
+    return (source / tag).is_dir()
 
 
 def resume_source(ctx: StageContext, tag: str) -> Path:
