@@ -15,6 +15,10 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from stages.runtime.footprint import llama_parameters  # noqa: E402
 
 # Datasheet figures per GPU (SXM): dense bf16 FLOP/s, HBM bytes/s, memory bytes.
 GPUS = {"h100": dict(peak=989e12, hbm=3.35e12, memory=80e9),
@@ -118,10 +122,11 @@ def shape(name: str) -> dict:
     """Parameters from the dimensions; n = those that multiply activations (flops.py's N)."""
     s = SHAPES[name]
     d, layers = s["hidden"], s["layers"]
+    dims = dict(hidden_size=d, num_hidden_layers=layers, intermediate_size=s["intermediate"],
+                num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"])
     kv = s["kv_heads"] * d // s["heads"]
-    block = layers * (2 * d * d + 2 * d * kv + 3 * d * s["intermediate"] + 2 * d)  # q, o; k, v; MLP; 2 norms
-    embed = s["vocab"] * d
-    return dict(name=name, params=block + embed * (1 if s["tied"] else 2) + d, n=block + embed + d,
+    return dict(name=name, params=llama_parameters(dims, s["vocab"], s["tied"]),
+                n=llama_parameters(dims, s["vocab"], tied=True),  # the output head multiplies, the embedding looks up
                 layers=layers, d=d, kv_bytes=2 * layers * kv * 2)  # K and V in bf16, per position
 
 
