@@ -190,16 +190,14 @@ def model_dimensions(cfg: RunConfig) -> tuple[int, int] | None:
     return q, kv
 
 
-def check_files(config_path: str | None, overrides=(), launcher: str = "auto", with_warnings: bool = False):
-    """Load and check; a config that does not load is itself the (single) problem. Returns the
-    problems, or with_warnings (problems, warnings)."""
+def check_files(config_path: str | None, overrides=(), launcher: str = "auto") -> tuple[list[str], list[str]]:
+    """Load and check: (problems, warnings). A config that does not load is itself the (single)
+    problem; warnings are looked for only in a config without problems."""
     try:
         cfg = load_config(config_path, overrides)
     except ConfigError as e:
-        return ([str(e)], []) if with_warnings else [str(e)]
+        return [str(e)], []
     problems = check(cfg, launcher)
-    if not with_warnings:
-        return problems
     return problems, ([] if problems else check_warnings(cfg, launcher))
 
 

@@ -105,7 +105,7 @@ def _launcher_arg(p) -> None:
 def cmd_check(args) -> int:
     from jobs.check import check_files
 
-    problems, warnings = check_files(args.config, args.overrides, args.launcher, with_warnings=True)
+    problems, warnings = check_files(args.config, args.overrides, args.launcher)
     for w in warnings:
         print(f"syncrl check: warning: {w}", file=sys.stderr)
     for p in problems:

@@ -68,7 +68,7 @@ CASES = [
 def test_each_problem_is_one_clear_line(files, overrides, config, needles):
     overrides = [o.format(d=files) for o in overrides]
     config = config.format(d=files) if config else TINY
-    problems = check_files(config, [*overrides, f"run_dir={files}/run"] if not any(
+    problems, _ = check_files(config, [*overrides, f"run_dir={files}/run"] if not any(
         o.startswith("run_dir=") for o in overrides) else overrides, launcher="local")
     assert len(problems) == 1, problems
     for needle in needles:
@@ -83,8 +83,8 @@ def test_changed_config_on_resume_is_refused_with_the_diff(tmp_path):
     cfg = load_config(TINY, [f"run_dir={run}"])
     resolve_paths(cfg)
     (run / "config.yaml").write_text(dump_config(cfg))
-    assert check_files(TINY, [f"run_dir={run}", "iterations=30"], "local") == []  # how, not what: fine
-    problems = check_files(TINY, [f"run_dir={run}", "train.lr=0.5"], "local")
+    assert check_files(TINY, [f"run_dir={run}", "iterations=30"], "local")[0] == []  # how, not what: fine
+    problems, _ = check_files(TINY, [f"run_dir={run}", "train.lr=0.5"], "local")
     assert len(problems) == 1 and "different config (train.lr: 0.003 -> 0.5)" in problems[0]
 
 
@@ -93,7 +93,7 @@ def test_shipped_configs_pass(tmp_path):
         # Each with the model dtype its mixed precision trains in (float32 where it has none).
         dtype = "bfloat16" if json.loads(ds.read_text()).get("bf16", {}).get("enabled") else "float32"
         assert check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={ds}", f"model.dtype={dtype}"],
-                           "local") == [], ds
+                           "local")[0] == [], ds
     for config in ("rl_2node.yaml", "gpu_small.yaml", "rl_70b_2node.yaml"):  # the model.dtype each ships with
         cfg = load_config(str(ROOT / "configs" / config), [f"run_dir={tmp_path}/r"])
         assert precision_problems(json.loads((ROOT / cfg.train.deepspeed_config).read_text()), cfg, Path()) == []
@@ -110,7 +110,7 @@ def test_the_model_dtype_is_the_one_deepspeed_trains_in(tmp_path, ds, dtype, say
     # A mismatch used to surface only in save's layout check, after generate and train had run.
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **ds}))
-    problems = check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={path}", f"model.dtype={dtype}"],
+    problems, _ = check_files(TINY, [f"run_dir={tmp_path}/r", f"train.deepspeed_config={path}", f"model.dtype={dtype}"],
                            "local")
     if says is None:
         assert problems == []
