@@ -13,7 +13,6 @@ By hand, one process per rank (here 2 on one machine; under SLURM, srun sets the
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import logging
 import math
@@ -72,7 +71,6 @@ def set_up(ctx: StageContext) -> TrainRun:
     phases = Phases(ctx.start)
     with phases("import_deepspeed"):
         import deepspeed
-        import_deepspeed_lazy_modules()  # a process not started early; else preload did
     with phases("read_train_set"):
         set_cpu_threads()
         rows = read_train_set(ctx)
@@ -183,62 +181,28 @@ def release_engine(run: TrainRun) -> None:
 
 
 # Modules deepspeed.initialize imports on its first call (DeepSpeed 0.19: its optimizer check
-# imports the Muon optimizer; the engine imports its expert-parallel layers): imported before the
-# turn (preload) instead of in it.
+# imports the Muon optimizer, which imports torch.compile's Inductor; the engine imports its
+# expert-parallel layers): hundreds of modules, imported here before the turn instead of in it.
 DEEPSPEED_LAZY_IMPORTS = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
                           "deepspeed.module_inject.auto_ep")
-
-
-def import_deepspeed_lazy_modules() -> None:
-    """Import DEEPSPEED_LAZY_IMPORTS with torch.compile put off to each compiled function's first call.
-
-    DeepSpeed's Muon module compiles a function with torch.compile as it defines it, and ZeRO's
-    engines import that module whatever the optimizer; torch.compile imports Dynamo and Inductor,
-    hundreds of modules and seconds of every train process, for a function syncrl never calls
-    (train_mfu's and the pipeline's preload figures, docs/benchmarks.md). Were it called, it would
-    compile then, as DeepSpeed meant. Modules already imported are not imported again."""
-    import importlib
-    import sys
-
-    wanted = [name for name in DEEPSPEED_LAZY_IMPORTS if name not in sys.modules]
-    if not wanted:
-        return
-    real = torch.compile
-
-    def on_first_call(model=None, **options):
-        if model is None:  # @torch.compile(...) as a decorator factory
-            return lambda fn: on_first_call(fn, **options)
-        compiled = None
-
-        @functools.wraps(model)
-        def call(*args, **kwargs):
-            nonlocal compiled
-            if compiled is None:
-                compiled = real(model, **options)
-            return compiled(*args, **kwargs)
-        return call
-
-    torch.compile = on_first_call
-    try:
-        for name in wanted:
-            try:
-                importlib.import_module(name)
-            except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
-                log.debug("%s not in this DeepSpeed", name)
-    finally:
-        torch.compile = real
 
 
 def preload(ctx: StageContext) -> deferred_checkpoint.HostPool | None:
     """What a train process started early imports before its turn, so that the engine's start-up
     does not; returns the host memory it prepares for a deferred checkpoint's snapshot. It builds
     nothing that needs a process group: no communicator sits idle while generate and score run."""
+    import importlib
+
     # Its parts go in the marker (preload_phases): what to shorten when the preload runs past the turn.
     phases = Phases(time.time())
     with phases("deepspeed"):
         import deepspeed  # noqa: F401 (the import is the point)
     with phases("deepspeed_lazy_modules"):
-        import_deepspeed_lazy_modules()
+        for name in DEEPSPEED_LAZY_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # another DeepSpeed version: initialize imports what it needs itself
+                log.debug("preload: %s not in this DeepSpeed", name)
     log.info("preload: deepspeed imported in %.1fs, the modules its initialize imports in %.1fs",
              phases.seconds["deepspeed"], phases.seconds["deepspeed_lazy_modules"])
     # The host memory for the snapshot fills in a thread of its own (seconds, mostly outside the GIL):
