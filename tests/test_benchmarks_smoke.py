@@ -94,7 +94,7 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
                str(tmp_path / "gen.json"), "--modes", ",".join(modes), "--step-times"])
     for mode in modes:
         assert re.search(rf"^{re.escape(mode)} +[0-9.]+s +[0-9]+ +[0-9]+ ", out, re.M), mode
-    assert "bound at 4.8 TB/s" in out and "compactions" in out
+    assert "bound at 4.80 TB/s (H200, for no GPU)" in out and "compactions" in out
     # The compact sampler's steps by rows decoded, and its line per call.
     assert re.search(r"^STEPS +4 +[1-9][0-9]* +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%$", out, re.M), out
     assert re.search(r"^decoding call 1: 4 sequences of width [0-9]+, ", out, re.M), out
@@ -114,7 +114,7 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
     assert all(it["train"]["preload_late_s"] >= 0 for it in figures["iterations"])
     exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
     assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save", "persist"]) and min(exits.values()) >= 0
-    assert "critical path, s" in out
+    assert "critical path, s" in out and "TB/s (H200, for no GPU)" in out and figures["hbm_bytes_per_s"] == 4.8e12
     for it in figures["iterations"]:  # the stages' spans add up to the iteration, their parts to each span
         path = it["critical_path"]
         assert sum(p["span_s"] for p in path.values()) == pytest.approx(it["iteration_s"])

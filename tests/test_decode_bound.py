@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.benchmarks.decode_bound import Shape, bound, roofline
+from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, Shape, bound, hbm_bandwidth, roofline
 
 # 1e9 parameters in bf16, 2 layers of 4 query and 2 K/V heads of 8: K/V bytes per position
 # 2 (K and V) x 2 layers x 2 heads x 8 x 2 bytes = 128.
@@ -41,3 +41,18 @@ def test_a_decode_bound_workload_sits_on_the_memory_roof():
     memory_only = bound(pairs, SHAPE.weight_bytes, SHAPE.kv_per_position)
     # The same bytes as the bandwidth bound, within a step's weights (it counts the prefill's token too).
     assert rf["phases"]["full"]["memory_s"] == pytest.approx(memory_only["seconds"], rel=0.01)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NVIDIA H200", (4.8e12, "H200")),
+    ("NVIDIA H100 80GB HBM3", (3.35e12, "H100")),
+    ("NVIDIA H100 PCIe", (2.0e12, "H100 PCIe")),
+    ("NVIDIA H100 NVL", (3.9e12, "H100 NVL")),
+])
+def test_the_roofline_takes_the_bandwidth_of_the_card_it_runs_on(name, expected):
+    assert hbm_bandwidth(name) == expected
+
+
+def test_an_unknown_card_or_none_takes_the_h200_figure_and_says_so():
+    assert hbm_bandwidth("") == (HBM_BYTES_PER_S, "H200, for no GPU")
+    assert hbm_bandwidth("Tesla T4") == (HBM_BYTES_PER_S, "H200, for Tesla T4")

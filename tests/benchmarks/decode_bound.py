@@ -23,13 +23,37 @@ docs/benchmarks.md give).
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-# H200 SXM HBM3e, datasheet. About 4.3e12 is measured on large copies (../shared/NOTES.md).
-HBM_BYTES_PER_S = 4.8e12
+# HBM bandwidth by card, datasheets (SXM unless named), matched in this order against the card's name:
+# a roofline at another card's bandwidth misstates the share. The H200's ~4.3e12 is measured on large
+# copies (../shared/NOTES.md).
+HBM_BY_CARD = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12}
+# Where the card is unknown (no GPU here, or a card not in the table): the H200's, the lent machine's.
+HBM_BYTES_PER_S = HBM_BY_CARD["H200"]
 # H100/H200 SXM dense bf16 (stages/rl/flops.py's PEAK_FLOPS).
 PEAK_FLOPS = 989e12
+
+
+def card_name() -> str:
+    """The first GPU's name from nvidia-smi, without a CUDA context in this process ("" where none)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def hbm_bandwidth(name: str | None = None) -> tuple[float, str]:
+    """The HBM bandwidth of card `name` (default: this machine's first GPU), and what it is taken for."""
+    name = card_name() if name is None else name
+    for key, value in HBM_BY_CARD.items():
+        if key in name:
+            return value, key
+    return HBM_BYTES_PER_S, f"H200, for {name or 'no GPU'}"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, PEAK_FLOPS, bound, model_shape, roofline  # noqa: E402
+from tests.benchmarks.decode_bound import PEAK_FLOPS, bound, hbm_bandwidth, model_shape, roofline  # noqa: E402
 
 DEFAULT_MODES = "compact,compact:decode_graphs=false,static:batch_size=512"
 
@@ -48,7 +48,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=0, help="calls after the first, in the same process")
     parser.add_argument("--modes", default=DEFAULT_MODES)
-    parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s, for the bound")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="HBM bytes/s, for the bound (default: the card's, by its name)")
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="dense bf16 FLOP/s, for the roofline")
     parser.add_argument("--json", default=None)
     parser.add_argument("--data-source", default="synthetic",
@@ -66,6 +67,9 @@ def main() -> int:
                              "memory bound; no sync is added")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # MODE@MODEL_DIR, one mode's process
     args = parser.parse_args()
+    card = "--bandwidth"
+    if args.bandwidth is None:
+        args.bandwidth, card = hbm_bandwidth()
     if args.child:
         mode, model_dir = args.child.split("@", 1)
         print("RESULT " + json.dumps(run_mode(args, mode, Path(model_dir))), flush=True)
@@ -79,7 +83,7 @@ def main() -> int:
     weights, kv = shape.weight_bytes, shape.kv_per_position
     print(f"{args.preset}, {args.dtype}, {args.data_source} problems: {args.prompts} prompts x {args.attempts} samples = "
           f"{args.prompts * args.attempts} sequences, up to {args.new_tokens} new tokens; one process per mode; "
-          f"bound at {args.bandwidth / 1e12:.1f} TB/s", flush=True)
+          f"bound at {args.bandwidth / 1e12:.2f} TB/s ({card})", flush=True)
     print(f"{'mode':<28} {'first call':>10} {'new tok/s':>10} {'pos/s':>10} {'sampling':>9} {'logprob':>8} "
           f"{'bound tok/s':>11} {'of bound':>8} {'warm tok/s':>10}")
     results = {}

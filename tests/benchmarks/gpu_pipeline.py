@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from stages.runtime import pipeline, safetensors_header  # noqa: E402 (needs ROOT on the path)
 from stages.runtime.paths import STAGES  # noqa: E402
-from tests.benchmarks.decode_bound import HBM_BYTES_PER_S, PEAK_FLOPS, model_shape, roofline  # noqa: E402
+from tests.benchmarks.decode_bound import PEAK_FLOPS, hbm_bandwidth, model_shape, roofline  # noqa: E402
 # The vLLM engine's figures in the generate marker, as the report names them.
 ENGINE_FIGURES = {"engine_start_s": "start-up, in all", "weights_s": "weights loaded", "compile_s": "torch.compile",
                   "graph_capture_s": "CUDA graphs", "init_engine_s": "profile+KV+warmup",
@@ -62,6 +62,8 @@ def main() -> int:
     parser.add_argument("--launcher", default="local", choices=("auto", "local", "srun"))
     parser.add_argument("--report-only", action="store_true", help="do not run; report --run-dir as it is")
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per GPU, for MFU")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="HBM bytes/s per GPU, for the roofline (default: the card's, by its name)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--no-load-check", action="store_true", help="skip from_pretrained of the exports")
     parser.add_argument("overrides", nargs="*")
@@ -80,7 +82,8 @@ def main() -> int:
         if proc.returncode != 0:
             print(f"run failed with exit code {proc.returncode}; see {run_dir}/logs", file=sys.stderr)
             return proc.returncode
-    figures = report(run_dir.resolve(), args.iterations, wall, args.peak_flops)
+    bandwidth = (args.bandwidth, "--bandwidth") if args.bandwidth else hbm_bandwidth()
+    figures = report(run_dir.resolve(), args.iterations, wall, args.peak_flops, bandwidth)
     if not args.no_load_check:
         figures["load_check"] = load_check(run_dir.resolve(), args.iterations)
     if args.json:
@@ -194,7 +197,7 @@ def critical(seconds: dict) -> float:
     return sum(v for s, v in seconds.items() if s not in pipeline.BACKGROUND_STAGES)
 
 
-def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> dict:
+def report(run_dir: Path, iterations: int, wall: float | None, peak: float, bandwidth: tuple[float, str]) -> dict:
     import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -209,7 +212,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         gen_tokens = sum(r["new_tokens"] for r in gen)
         gen_s = max(r["generate_s"] for r in gen)
         gen_pos, pairs = generate_positions(run_dir, it, cfg, gen)
-        bounds = [roofline(p, cfg["generate"]["attempts"], shape) for p in pairs]
+        bounds = [roofline(p, cfg["generate"]["attempts"], shape, bandwidth=bandwidth[0]) for p in pairs]
         tr = train[0]
         train_s = max(r["train_s"] for r in train)
         tokens = tr["tokens"]  # all ranks (all-reduced)
@@ -328,7 +331,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
             f"{r['generate']['of_roofline'][phase]:>9.1%}" if r["generate"]["of_roofline"].get(phase) is not None
             else f"{'-':>9}" for r in per_it))
     print(f"  (roofline: per phase the larger of its FLOPs at {PEAK_FLOPS / 1e12:.0f} TFLOP/s and its bytes, the "
-          f"weights once per pass + the K/V each token attends to, at {HBM_BYTES_PER_S / 1e12:.1f} TB/s; full: every "
+          f"weights once per pass + the K/V each token attends to, at {bandwidth[0] / 1e12:.2f} TB/s ({bandwidth[1]}); full: every "
           "sequence running, tail: after the first stopped; tests/benchmarks/decode_bound.py)")
     print("\ntrain")
     print("  optimizer steps      ", col("train", "steps", "{:>9d}"))
@@ -401,7 +404,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float) -> d
         print(f"\nwhole run {wall:.1f}s: stages {stage_total:.1f}s, coordinator and base-model creation "
               f"{wall - stage_total:.1f}s")
     return {"run_dir": str(run_dir), "non_embedding_params": n_params, "non_compute_share": shares,
-            "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak,
+            "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak, "hbm_bytes_per_s": bandwidth[0],
             "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
 
 
