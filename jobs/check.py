@@ -78,7 +78,7 @@ def space_warnings(cfg: RunConfig, nodes: int | None = None) -> list[str]:
                 "models": f"exported models, {fp.models_held} of {_gb(fp.model)} (save.keep_models={cfg.save.keep_models}"
                           + (" keeps every iteration's)" if not cfg.save.keep_models else ")"),
                 "base model": "the base model",
-                "node-local checkpoints": "this node's share of the node-local checkpoints, the last and the one "
+                footprint.NODE_LOCAL: "this node's share of the node-local checkpoints, the last and the one "
                                           "being written (train.local_checkpoint_dir)"}
         listed = "; ".join(f"{what[name]}: {_gb(size)}" for name, size in parts)
         settings, names = [], dict(parts)
@@ -88,9 +88,9 @@ def space_warnings(cfg: RunConfig, nodes: int | None = None) -> list[str]:
                 settings.append(f"save.keep_models={min(int(room), fp.models_held - 1)}")
         if "checkpoints" in names and cfg.save.keep_checkpoints > 1:
             settings.append("save.keep_checkpoints=1")
-        places = [] if set(names) == {"node-local checkpoints"} else \
+        places = [] if set(names) == {footprint.NODE_LOCAL} else \
             ["use a run_dir (or a link for checkpoints/ or models/) on a filesystem with more room"]
-        if "node-local checkpoints" in names:
+        if footprint.NODE_LOCAL in names:
             places.append("point train.local_checkpoint_dir at node storage with more room (or unset it: the "
                           "checkpoints then go to the run dir)")
         fix = (f"set {' or '.join(settings)}, or " if settings else "") + ", or ".join(places)

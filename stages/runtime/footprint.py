@@ -50,6 +50,10 @@ def llama_parameters(dims: dict, vocab: int, tied: bool = True) -> int:
     return layers * block + vocab * d * (1 if tied else 2) + d
 
 
+# The part a node's share of train.local_checkpoint_dir's checkpoints is listed under.
+NODE_LOCAL = "node-local checkpoints"
+
+
 @dataclass
 class Footprint:
     """Bytes the run holds at its peak, by what holds them; parts() names the folder each is written
@@ -66,7 +70,7 @@ class Footprint:
         return [("checkpoints", self.checkpoint * self.checkpoints_held, root / "checkpoints"),
                 ("models", self.model * self.models_held, root / "models"),
                 ("base model", self.base, root / "base_model"),
-                ("node-local checkpoints", self.node_local, self.node_local_dir or root)]
+                (NODE_LOCAL, self.node_local, self.node_local_dir or root)]
 
 
 def footprint(cfg, params: int, nodes: int | None = None) -> Footprint:
@@ -77,7 +81,7 @@ def footprint(cfg, params: int, nodes: int | None = None) -> Footprint:
     master = MASTER_BYTES if train_bytes < 4 else 0
     models = cfg.save.keep_models or cfg.iterations
     checkpoint = params * (train_bytes + master + ADAM_MOMENT_BYTES)
-    local = cfg.train.local_checkpoint_dir and nodes
+    local = bool(cfg.train.local_checkpoint_dir and nodes)
     return Footprint(checkpoint=checkpoint,
                      checkpoints_held=min(cfg.save.keep_checkpoints, cfg.iterations) + 1,
                      model=params * DTYPE_BYTES[cfg.model.dtype if export == "model" else export],
