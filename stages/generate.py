@@ -184,7 +184,8 @@ def sample_compact(model, tokenizer, prompt_ids: list[list[int]], g, device,
         raise RuntimeError(f"generate: not even one sequence of {length} positions fits "
                            f"generate.memory_fraction={g.memory_fraction} of the free GPU memory; lower "
                            f"generate.max_new_tokens, or raise generate.memory_fraction")
-    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=tuning.decode_graphs, positions=positions)
+    decoder = decoding.CompactDecoder(model, rows, length, cuda_graphs=tuning.decode_graphs, positions=positions,
+                                      decode_kernel=tuning.decode_kernel)
     log.info("compact decoding: %d sequences, up to %d at once, rows of up to %d positions "
              "(KV buffer %.2f GiB, %d positions)", n_seq, rows, length, decoder.cache.nbytes() / 2**30, positions)
     params = decoding.SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,

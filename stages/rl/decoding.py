@@ -184,7 +184,68 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.reshape(b, 1, heads, dim), None
 
 
+def kernel_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """decode_attention's result from one Triton kernel (stages/rl/fused_kernels.py decode_attention): per
+    row and K/V head, the query heads that share the head attend together over the prefix, in splits
+    of it where rows x K/V heads are too few programs to fill the GPU, each split's softmax combined
+    by a second kernel."""
+    from stages.rl.fused_layers import kernels
+
+    b, heads, q_len, dim = query.shape
+    kv_heads, attend = key.shape[1], key.shape[2]
+    if q_len != 1:
+        raise ValueError(f"the decode kernel serves single-position decode steps (got {q_len} query positions)")
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("the decode kernel reads each head's values contiguous")
+    group = heads // kv_heads
+    out = query.new_empty(b, 1, heads, dim)
+    mask = attention_mask if attention_mask is not None else query.new_zeros(b, 1, 1, attend)
+    splits = kernel_splits(b * kv_heads, attend, query.device)
+    chunk = KERNEL_BLOCK * -(-attend // (splits * KERNEL_BLOCK))
+    part = torch.empty(b * kv_heads * splits * max(16, pow2(group)) * (dim + 2) if splits > 1 else 1,
+                       dtype=torch.float32, device=query.device)
+    k = kernels()
+    shape = dict(KV_HEADS=kv_heads, GROUP=group, G_P2=max(16, pow2(group)), DIM=dim)
+    k.decode_attention[(b * kv_heads, splits)](
+        query, key, value, mask, out, part, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        key.stride(2), value.stride(0), value.stride(1), value.stride(2), mask.stride(0), out.stride(0), out.stride(2),
+        attend, chunk, scaling or dim ** -0.5, BLOCK=KERNEL_BLOCK, SPLITS=splits, **shape)
+    if splits > 1:
+        k.decode_attention_combine[(b * kv_heads,)](part, out, out.stride(0), out.stride(2), SPLITS=splits, **shape)
+    return out, None
+
+
+# Positions the decode kernel reads a block at a time.
+KERNEL_BLOCK = 64
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kernel_splits(programs: int, attend: int, device: torch.device) -> int:
+    """Splits of the prefix for the decode kernel: a power of two (each a compiled variant), enough that
+    programs x splits fill the GPU's multiprocessors about twice, no more than the prefix has blocks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    splits = 1
+    while programs * splits < 2 * sms and splits * 2 <= -(-attend // KERNEL_BLOCK) and splits < 16:
+        splits *= 2
+    return splits
+
+
+def decode_kernel_runs(config, device: torch.device) -> bool:
+    """Whether kernel_decode_attention serves this model here: Triton present, on a GPU (or its
+    interpreter), heads of a power of two from 16 to 256 (one block of the kernel)."""
+    from stages.rl.fused_layers import kernels
+
+    k = kernels()
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (k is not None and (device.type == "cuda" or k.INTERPRETED) and 16 <= dim <= 256
+            and dim == pow2(dim))
+
+
 DECODE_ATTENTION = "syncrl_decode"
+DECODE_KERNEL_ATTENTION = "syncrl_decode_kernel"
 # Attended prefixes shorter than this go through decode_attention, longer ones through SDPA. The
 # products win at short prefixes and lose at long ones step by step (tests/benchmarks/decode_step.py),
 # but SDPA's cuDNN kernel builds a plan for every new shape as a graph is captured, which made the
@@ -274,13 +335,17 @@ class CompactDecoder:
     makes rounds of shorter rows, see the module's docstring)."""
 
     def __init__(self, model, rows: int, length: int, cuda_graphs: bool = True, decode_attention: bool = True,
-                 positions: int | None = None):
+                 positions: int | None = None, decode_kernel: bool = True):
         check_supported(model.config)
         if decode_attention:
             from transformers import AttentionInterface
 
             AttentionInterface.register(DECODE_ATTENTION, globals()["decode_attention"])
+            AttentionInterface.register(DECODE_KERNEL_ATTENTION, kernel_decode_attention)
         self.decode_attention = decode_attention
+        # tuning.decode_kernel: the decode steps' attention as one Triton kernel, at every prefix length.
+        self.decode_kernel = decode_attention and decode_kernel and decode_kernel_runs(
+            model.config, next(model.parameters()).device)
         self._grouped = kv_heads(model.config) < model.config.num_attention_heads
         self.model = model
         self.device = next(model.parameters()).device
@@ -528,7 +593,9 @@ class CompactDecoder:
         self.cache.active, self.cache.attend = b, attend
         config = self.model.config
         before = config._attn_implementation
-        if self.decode_attention and (attend < MATMUL_ATTENTION_BELOW or self._grouped):
+        if self.decode_kernel:
+            config._attn_implementation = DECODE_KERNEL_ATTENTION
+        elif self.decode_attention and (attend < MATMUL_ATTENTION_BELOW or self._grouped):
             config._attn_implementation = DECODE_ATTENTION
         try:
             out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],

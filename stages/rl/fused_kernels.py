@@ -1,5 +1,6 @@
 """The Triton kernels of stages/rl/fused_layers.py: the rotary embedding with q, k and v laid out for
-the attention, and SiLU(gate) * up, each forward and backward. Imported through
+the attention, and SiLU(gate) * up, each forward and backward; and the compact sampler's decode-step
+attention (stages/rl/decoding.py, tuning.decode_kernel). Imported through
 fused_layers.kernels() only (Triton is not needed elsewhere)."""
 
 import os
@@ -8,8 +9,8 @@ import triton
 import triton.language as tl
 
 # Set when the kernels were defined under Triton's interpreter (on the host, for the tests). The
-# kernels call no function of triton.language's own @jit library (tl.sigmoid and the like): those are
-# interpreted only when Triton itself was imported with TRITON_INTERPRET set.
+# kernels call no function of triton.language's own @jit library (tl.sigmoid, tl.max, tl.zeros and the
+# like): those are interpreted only when Triton itself was imported with TRITON_INTERPRET set.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -85,3 +86,89 @@ def swiglu_backward(gate_up, grad, d_gate_up, width, BLOCK: tl.constexpr):
     dtype = d_gate_up.dtype.element_ty
     tl.store(d_gate_up + row * 2 * width + cols, dg.to(dtype), mask=mask)
     tl.store(d_gate_up + row * 2 * width + width + cols, du.to(dtype), mask=mask)
+
+@triton.jit
+def max_of(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def sum_of(a, b):
+    return a + b
+
+
+@triton.jit
+def decode_attention(q, k, v, mask, out, part, s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb, s_ob, s_oh,
+                     attend, chunk, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr,
+                     DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+    # One program per (row, K/V head, split of the prefix): the GROUP query heads that share the K/V head
+    # attend together, so each K/V block is read once for all of them. Scores are float32 and stay
+    # finite (floored at -1e30): a split whose positions are all masked (a row's left padding) ends
+    # with a maximum of -1e30 and a sum of 0, and combine() weighs it by exp(-1e30 - max) = 0.
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    row = bh // KV_HEADS
+    head = bh % KV_HEADS
+    g = tl.arange(0, G_P2)
+    d = tl.arange(0, DIM)
+    queries = tl.load(q + row * s_qb + (head * GROUP + g)[:, None] * s_qh + d[None, :], mask=(g < GROUP)[:, None],
+                      other=0.0)
+    start = split * chunk
+    end = tl.minimum(start + chunk, attend)
+    m = tl.full([G_P2], -1e30, tl.float32)
+    total = tl.full([G_P2], 0.0, tl.float32)
+    acc = tl.full([G_P2, DIM], 0.0, tl.float32)
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        inside = n < end
+        # The row's mask first (two bytes a position against the K/V's thousands): a block it masks
+        # whole (the row's left padding, positions not yet written) is not read.
+        bias = tl.load(mask + row * s_mb + n, mask=inside, other=-1e30).to(tl.float32)
+        if tl.reduce(bias, 0, max_of) > -1e29:
+            keys = tl.load(k + row * s_kb + head * s_kh + n[:, None] * s_kl + d[None, :], mask=inside[:, None],
+                           other=0.0)
+            s = tl.dot(queries, tl.trans(keys)) * scale
+            s = tl.where(inside[None, :], tl.maximum(s + bias[None, :], -1e30), -1e30)
+            m_new = tl.maximum(m, tl.reduce(s, 1, max_of))
+            p = tl.where(inside[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.reduce(p, 1, sum_of)
+            values = tl.load(v + row * s_vb + head * s_vh + n[:, None] * s_vl + d[None, :], mask=inside[:, None],
+                             other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            m = m_new
+    if SPLITS == 1:
+        o = acc / total[:, None]
+        tl.store(out + row * s_ob + (head * GROUP + g)[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty),
+                 mask=(g < GROUP)[:, None])
+    else:
+        # part: [rows x KV_HEADS, SPLITS, G_P2, DIM + 2] float32: the unnormalised output, its max, its sum.
+        base = part + ((bh * SPLITS + split) * G_P2 + g) * (DIM + 2)
+        tl.store(base[:, None] + d[None, :], acc)
+        tl.store(base + DIM, m)
+        tl.store(base + DIM + 1, total)
+
+
+@triton.jit
+def decode_attention_combine(part, out, s_ob, s_oh, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             G_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr):
+    # One program per (row, K/V head): the splits' partial outputs weighed by exp(their max - the max).
+    bh = tl.program_id(0).to(tl.int64)
+    row = bh // KV_HEADS
+    head = bh % KV_HEADS
+    g = tl.arange(0, G_P2)
+    d = tl.arange(0, DIM)
+    first = part + (bh * SPLITS * G_P2 + g) * (DIM + 2)
+    m = tl.load(first + DIM)
+    for i in range(1, SPLITS):
+        m = tl.maximum(m, tl.load(first + i * G_P2 * (DIM + 2) + DIM))
+    total = tl.full([G_P2], 0.0, tl.float32)
+    acc = tl.full([G_P2, DIM], 0.0, tl.float32)
+    for i in range(SPLITS):
+        base = first + i * G_P2 * (DIM + 2)
+        w = tl.exp(tl.load(base + DIM) - m)
+        total += tl.load(base + DIM + 1) * w
+        acc += tl.load(base[:, None] + d[None, :]) * w[:, None]
+    o = acc / total[:, None]
+    tl.store(out + row * s_ob + (head * GROUP + g)[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty),
+             mask=(g < GROUP)[:, None])

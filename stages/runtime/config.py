@@ -355,6 +355,11 @@ class TuningConfig:
     # The compact sampler replays each decode step as a CUDA graph (on GPU); off, every step launches
     # its kernels.
     decode_graphs: bool = True
+    # The compact sampler's decode-step attention as one Triton kernel (stages/rl/fused_kernels.py,
+    # decode_attention; on a GPU with Triton, heads of 16-256 as a power of two): it reads each K/V block
+    # once for the query heads that share it and keeps the softmax running, where the batched products
+    # write and read float32 scores between four kernels.
+    decode_kernel: bool = True
     # Where the old log-probs come from. "sampler": the compact sampler records each token's log-prob
     # from the logits it drew it from (no extra pass; they equal a teacher-forced pass within bf16
     # tolerance, tests/test_decoding.py). "recompute": one forward pass over the finished sequences,

@@ -1,0 +1,100 @@
+"""The compact sampler's decode-step attention as one Triton kernel (tuning.decode_kernel,
+stages/rl/fused_kernels.py decode_attention) computes what the batched products do
+(stages/rl/decoding.py decode_attention): grouped-query heads, left-padded rows, prefixes that are not
+a multiple of the kernel's block, the prefix in one split or several. On the host the kernel runs in
+Triton's interpreter in float32; on a GPU (`pytest -m gpu`) compiled, in bf16."""
+
+import pytest
+import torch
+
+from stages.rl import decoding, fused_layers
+from tests.devices import DEVICES
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def kernels_on(monkeypatch, request):
+    device = getattr(request, "param", "cpu")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fused_layers.kernels.cache_clear()
+    yield device
+    fused_layers.kernels.cache_clear()
+
+
+def step_inputs(rows, heads, kv_heads, dim, attend, device, dtype, length=320):
+    """A decode step's query ([rows, heads, 1, dim], a transposed view as the layers give it), K and V
+    as views of a buffer of `length` positions as RowCache gives them, and each row's additive mask
+    with its own left padding."""
+    g = torch.Generator().manual_seed(attend * 7 + heads)
+    q = torch.randn(rows, 1, heads, dim, generator=g).to(device, dtype).transpose(1, 2)
+    buffer = torch.randn(2, rows + 1, kv_heads, length, dim, generator=g).to(device, dtype)
+    k, v = buffer[0, :rows, :, :attend], buffer[1, :rows, :, :attend]
+    mask = torch.zeros(rows + 1, 1, 1, length, dtype=dtype)
+    for r in range(rows):
+        # Left padding, row r's a share (r + 1) / (rows + 1) of the prefix: whole splits of it masked.
+        mask[r, :, :, :min(attend - 1, attend * (r + 1) // (rows + 1))] = torch.finfo(dtype).min
+    return q, k, v, mask.to(device)[:rows, :, :, :attend]
+
+
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+@pytest.mark.parametrize("rows, heads, kv_heads, dim, attend", [
+    (2, 4, 2, 64, 1), (2, 4, 2, 64, 64), (2, 4, 2, 64, 300),  # one block, exactly one, five in two splits
+    (1, 4, 2, 64, 300),  # four splits, the first all padding
+    (3, 24, 8, 128, 130),  # the 3B shape's heads: groups of 3 (padded to 16), heads of 128
+    (1, 4, 4, 32, 50),  # no grouping
+    (40, 8, 2, 64, 130),  # 80 programs: one split
+])
+def test_the_kernel_gives_the_products_attention(kernels_on, rows, heads, kv_heads, dim, attend):
+    device = kernels_on
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, mask = step_inputs(rows, heads, kv_heads, dim, attend, device, dtype)
+    want, _ = decoding.decode_attention(None, q.float(), k.float(), v.float(), mask.float())
+    got, _ = decoding.kernel_decode_attention(None, q, k, v, mask)
+    assert got.shape == want.shape == (rows, 1, heads, dim)
+    tol = 1e-5 if device == "cpu" else 2e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+
+def test_the_prefix_splits_fill_the_multiprocessors():
+    cpu = torch.device("cpu")  # counted as 4 multiprocessors
+    assert decoding.kernel_splits(1, 300, cpu) == 4  # 8 programs; the prefix has 5 blocks
+    assert decoding.kernel_splits(2, 64, cpu) == 1  # one block: nothing to split
+    assert decoding.kernel_splits(640, 300, cpu) == 1
+    assert decoding.kernel_splits(1, 10**6, cpu) == 8
+
+
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+def test_the_sampler_draws_the_policys_tokens_through_the_kernel(kernels_on, monkeypatch):
+    # Every decode step's attention through the kernel; each drawn token's log-prob is HF's
+    # teacher-forced one (the prefill runs HF's attention).
+    from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length
+    from stages.rl.modeling import token_logprobs
+    from tests.test_fused_layers import models
+
+    device = kernels_on
+    plain, fused = models("llama", device)
+    calls = []
+    kernel = decoding.kernel_decode_attention
+    monkeypatch.setattr(decoding, "kernel_decode_attention", lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    params = SamplingParams(max_new_tokens=6, eos_token_id=3, pad_token_id=0)
+    decoder = CompactDecoder(fused.eval(), rows=6, length=buffer_length(5, 6), cuda_graphs=device == "cuda")
+    assert decoder.decode_kernel
+    ids, lps = decoder.sample(prompts, 2, params, torch.Generator(device).manual_seed(0), record_logprobs=True)
+    assert calls and all(shape[2] == 1 for shape in calls)  # decode steps, one position a row
+    diffs = []
+    for j, (completion, lp) in enumerate(zip(ids, lps)):
+        x = torch.tensor([prompts[j // 2] + completion], device=device)
+        with torch.no_grad():
+            logits = plain.eval()(input_ids=x).logits
+        n = len(prompts[j // 2])
+        diffs.append((token_logprobs(logits[:, n - 1:-1], x[:, n:])[0].cpu() - torch.tensor(lp)).abs())
+    diffs = torch.cat(diffs)
+    if device == "cpu":
+        assert diffs.max() < 1e-4, diffs.max()
+    else:
+        assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
