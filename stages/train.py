@@ -159,7 +159,8 @@ def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, 
     }
     ctx.summarize("trained %d optimizer steps on %d tokens (all ranks) in %.1fs, %.0f tok/s; checkpoint %.1fs%s",
                   summary["steps"], all_tokens, train_s, summary["tokens_per_s"], save_s,
-                  " (in host memory: written after the marker)" if saved.written_after_marker else "")
+                  deferred_checkpoint.deferral_note(saved.extra.get("deferred_checkpoint"))
+                  if saved.written_after_marker else "")
     # What the marker lists is whole on every rank before anyone marks done; a rank that never arrives is named.
     dist.barrier(f"iteration {ctx.iteration} checkpoint saved", t.timeout_s)
     if saved.written_after_marker:

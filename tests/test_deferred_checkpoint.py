@@ -73,6 +73,7 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
         assert save["export"] == "linked" and save["consolidate_s"] == 0.0
         train_log = (deferred / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00001.log").read_text()
         assert "checkpoint written after the marker" in train_log
+        assert train["deferred_checkpoint"]["written_now_gb"] == 0  # every file within the budget
         # Each rank's snapshot layout, for the next train's host memory (empty on CPU: host tensors
         # are kept, not copied).
         for rank in (0, 1):
@@ -247,3 +248,27 @@ def test_the_snapshot_budget_counts_a_checkpoint_directory_in_host_memory(tmp_pa
         assert dc.snapshot_budget(ctx, ctx.paths.checkpoints, held=8 << 30) == (share + (8 << 30)) // 2
     finally:
         shutil.rmtree(target)
+
+
+def test_a_file_over_the_budget_is_written_before_the_marker_and_said_so(tmp_path):
+    # DeferredWrites in front of DeepSpeed's own torch engine. On CPU a snapshot holds no bytes of its
+    # own (host tensors are kept), so a budget of zero takes a file and a negative one takes none.
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from stages.rl import deferred_checkpoint as dc
+
+    small, large = {"w": torch.ones(256)}, {"m": torch.ones(4096)}  # 1 KiB, 16 KiB of float32
+    held = dc.DeferredWrites(TorchCheckpointEngine(), budget_bytes=0)
+    held.save(small, str(tmp_path / "model_states.pt"))
+    assert not (tmp_path / "model_states.pt").exists() and held.written_now == 0
+    over = dc.DeferredWrites(TorchCheckpointEngine(), budget_bytes=-1)
+    over.save(large, str(tmp_path / "optim_states.pt"))
+    assert (tmp_path / "optim_states.pt").is_file() and over.written_now == 16384 and not over.queued
+    held.flush()
+    assert torch.equal(torch.load(tmp_path / "model_states.pt")["w"], small["w"])
+    # What train's summary line says of each (the marker's deferred_checkpoint record).
+    note = dc.deferral_note({"snapshot_gb": 1.0, "written_now_gb": 33.8, "written_now_s": 30.1, "budget_gb": 21.5,
+                             "folder_in_memory": True})
+    assert "33.80 GB written before it, in 30.1s" in note and "budget of 21.50 GB" in note and "tmpfs" in note
+    assert dc.deferral_note({"snapshot_gb": 5.6, "written_now_gb": 0.0}) == \
+        " (5.60 GB in host memory, written after the marker)"

@@ -51,6 +51,10 @@ class DeferredWrites:
         self.queued: list[tuple[str, object]] = []
         self.held = 0  # bytes of the queued snapshots
         self.snapshot_s = 0.0
+        # Files over the budget, written before the marker as without deferral: what the marker and
+        # the stage's summary report, so a checkpoint on the critical path does not read as deferred.
+        self.written_now = 0
+        self.written_now_s = 0.0
         self.layout: list = []  # [dtype, shape] of each tensor copied to host memory (HostPool)
 
     def __getattr__(self, name):
@@ -62,7 +66,10 @@ class DeferredWrites:
             log.info("%s: %.2f GB does not fit the host-memory budget left (%.2f GB): written now", path, size / 1e9,
                      (self.budget - self.held) / 1e9)
             self.pool.release()  # what the pool prepared and the snapshot did not take goes before the write
+            t0 = time.time()
             self.inner.save(state_dict, path)
+            self.written_now += state_bytes(state_dict, host_too=True)  # the file's bytes, wherever they were
+            self.written_now_s += time.time() - t0
             return
         t0 = time.time()
         self.queued.append((path, to_host(state_dict, self.layout, self.pool)))
@@ -116,6 +123,23 @@ def why_not(cfg) -> str | None:
         return (f"save.export_dtype is {cfg.save.export_dtype}, not the training dtype {cfg.model.dtype}: save "
                 f"exports the fp32 master weights, which only the checkpoint holds")
     return None
+
+
+def deferral_note(record: dict | None) -> str:
+    """What train's summary line says of a deferred checkpoint (its marker's deferred_checkpoint
+    record): held in host memory and written after the marker, and what did not fit and was written
+    before it (this rank's files)."""
+    if not record:
+        return " (in host memory: written after the marker)"
+    held = f"{record['snapshot_gb']:.2f} GB in host memory, written after the marker"
+    if not record.get("written_now_gb"):
+        return f" ({held})"
+    share = f"{HOST_MEMORY_SHARE:.0%} of the node's available memory" + (
+        ", halved as the checkpoint folder is in host memory (tmpfs)" if record.get("folder_in_memory") else "")
+    fix = "checkpoints on disk or " if record.get("folder_in_memory") else ""
+    return (f" ({held}; {record['written_now_gb']:.2f} GB written before it, in {record['written_now_s']:.1f}s: "
+            f"over this rank's host-memory budget of {record['budget_gb']:.2f} GB, {share}; {fix}more host memory "
+            f"per rank takes it off the critical path)")
 
 
 def write_policy(ctx, writes: DeferredWrites) -> Path:

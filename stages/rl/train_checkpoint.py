@@ -189,7 +189,9 @@ class Deferred(Checkpointer):
         self.checkpoint_id = dist.agree(uuid.uuid4().hex)
         deferred = {"id": self.checkpoint_id, "snapshot_s": self.writes.snapshot_s,
                     "snapshot_gb": self.writes.held / 1e9, "prepared_gb": self.pool.prepared_bytes / 1e9,
-                    "prepared_taken_gb": self.pool.taken_bytes / 1e9}
+                    "prepared_taken_gb": self.pool.taken_bytes / 1e9,
+                    "written_now_gb": self.writes.written_now / 1e9, "written_now_s": self.writes.written_now_s,
+                    "budget_gb": budget / 1e9, "folder_in_memory": deferred_checkpoint.memory_backed(self.folder)}
         saved = Saved(written_after_marker=True, extra={"deferred_checkpoint": deferred,
                                                         "prunable": self.policy_prunable()})
         if self.local:

@@ -263,6 +263,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
                 "preload_late_s": max(r.get("started_early_late_s", 0.0) for r in train),
                 # tuning.deferred_checkpoint: the copy to host memory before the marker, the write after it.
                 "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
+                # Files over the snapshot's host-memory budget, written before the marker.
+                "written_now_s": max(r.get("deferred_checkpoint", {}).get("written_now_s", 0.0) for r in train),
                 "write_after_s": deferred_write_s(run_dir, it),
             },
             "startup_s": {
@@ -356,6 +358,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
     if any(r["train"]["snapshot_s"] for r in per_it):
         print("  of which to host s   ", col("train", "snapshot_s", "{:>9.1f}"))
         print("  written after it s   ", col("train", "write_after_s", "{:>9.1f}"), "  (beside save, generate, score, gather)")
+    if any(r["train"]["written_now_s"] for r in per_it):
+        print("  of which written s   ", col("train", "written_now_s", "{:>9.1f}"),
+              "  (files over the snapshot's host-memory budget, written before the marker)")
     print("  tokens/s (all GPUs)  ", col("train", "tokens_per_s", "{:>9.0f}"))
     print("  MFU, loss tokens     ", col("train", "mfu", "{:>9.2%}"))
     print("  MFU, all positions   ", col("train", "mfu_positions", "{:>9.2%}"))
