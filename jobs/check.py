@@ -19,7 +19,7 @@ from pathlib import Path
 from jobs.launchers import group_problem, launcher_kind
 from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
                                   to_dict, zero_stage)
-from stages.runtime import footprint, reward_plugin
+from stages.runtime import footprint, memory, reward_plugin
 from stages.runtime.data import CHAT_TEMPLATE_FIX, read_jsonl_problems
 from stages.runtime.dist import allocation
 from stages.runtime.paths import RunPaths
@@ -46,9 +46,10 @@ def check(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> li
 
 
 def check_warnings(cfg: RunConfig, launcher: str = "auto", env: dict | None = None) -> list[str]:
-    """What may stop the run later without being wrong now, one line each, for a config check()
-    passes: the disk space the run will hold against what its filesystems have free (an estimate:
-    other users write there too)."""
+    """What may stop or slow the run later without being wrong now, one line each, for a config
+    check() passes: the disk space the run will hold against what its filesystems have free (an
+    estimate: other users write there too), and on a GPU node of the run a deferred checkpoint too
+    large for the host memory its snapshot may take."""
     env = os.environ if env is None else env
     cfg = copy.deepcopy(cfg)
     resolve_paths(cfg)
@@ -56,7 +57,31 @@ def check_warnings(cfg: RunConfig, launcher: str = "auto", env: dict | None = No
     # machine with the local launcher, or inside the allocation (the coordinator's node).
     alloc = _allocation_nodes(env)
     nodes = 1 if launcher_kind(launcher, env) == "local" else (_run_nodes(cfg, alloc) if alloc else None)
-    return space_warnings(cfg, nodes)
+    warnings = space_warnings(cfg, nodes)
+    if nodes is not None and _local_gpu_count() > 0:  # the snapshot copies GPU memory: nothing to hold elsewhere
+        warnings += snapshot_warnings(cfg, world_size(cfg, launcher, env), nodes, memory.available_host_bytes())
+    return warnings
+
+
+def snapshot_warnings(cfg: RunConfig, world: int, nodes: int, available: int) -> list[str]:
+    """Rank 0's snapshot of the deferred checkpoint against its host-memory budget on this node
+    (stages/runtime/footprint.py): over it, train writes the checkpoint before its marker."""
+    params = footprint.parameters(cfg.model.path, cfg.model.preset)
+    path = resolve(cfg.train.deepspeed_config)
+    if params is None or path is None:
+        return []
+    ds = json.loads(path.read_text())
+    offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    short = footprint.snapshot_shortfall(cfg, params, world, nodes, zero_stage(ds), offload, available)
+    if short is None:
+        return []
+    where = ("checkpoints/ (or train.local_checkpoint_dir) on a disk with room for them rather than in tmpfs, "
+             "or " if short.in_memory else "")
+    return [f"train's checkpoint will be written before its marker every iteration, on the critical path: rank "
+            f"0's snapshot of it ({_gb(short.snapshot)}) is over the host memory it may take ({_gb(short.budget)}: "
+            f"{memory.HOST_MEMORY_SHARE:.0%} of this node's {_gb(available)} available, less the kept checkpoints "
+            f"in tmpfs, per rank{', halved as the checkpoints are in tmpfs' if short.in_memory else ''}); "
+            f"{where}nodes with about {_gb(short.available_needed)} of available host memory take it off"]
 
 
 def space_warnings(cfg: RunConfig, nodes: int | None = None) -> list[str]:

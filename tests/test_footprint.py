@@ -113,3 +113,38 @@ def test_node_local_checkpoints_count_against_the_nodes_storage_where_it_can_be_
     cfg = load_config(TINY, [f"run_dir={tmp_path}/run", f"train.local_checkpoint_dir={store}/syncrl"])
     assert footprint.footprint(cfg, 1000, nodes=None).node_local == 0
     assert footprint.footprint(cfg, 1000, nodes=2).node_local == 12_000  # 2 x 12 kB over 2 nodes
+
+
+def test_a_deferred_checkpoint_over_its_host_memory_budget_is_named_with_what_takes_it_off(tmp_path):
+    # The 3B shape under ZeRO-3 on one H200 node (125 GB host, ~120 GB available) with checkpoints/
+    # in tmpfs, as it ran: rank 0's snapshot is the whole optimizer file, 12 bytes a parameter.
+    from jobs.check import snapshot_warnings
+
+    shm = Path("/dev/shm")
+    if not footprint.memory.memory_backed(shm) or footprint.memory.memory_backed(tmp_path):
+        pytest.skip("needs /dev/shm on tmpfs and a temporary directory on disk")
+    params = footprint.parameters("", "llama3-3b-shape")
+    zero3 = ["model.preset=llama3-3b-shape", "model.dtype=bfloat16", "save.keep_checkpoints=1", "iterations=3",
+             "train.deepspeed_config=configs/ds_zero3_multinode.json"]
+    in_shm = load_config(None, [f"run_dir={shm}/syncrl-test-never-written", *zero3])
+    on_disk = load_config(None, [f"run_dir={tmp_path}/run", *zero3])
+    short = footprint.snapshot_shortfall(in_shm, params, world=1, nodes=1, zero_stage=3, offload=False,
+                                         available=120 * 10**9)
+    assert short.in_memory and short.snapshot == 12 * params
+    # Half the available memory less the kept checkpoint (14 bytes a parameter), halved again for tmpfs.
+    assert short.budget == int((120 * 10**9 - 14 * params) * 0.5 / 2)
+    assert short.available_needed == 2 * 12 * params * 2 + 14 * params
+    # On disk the same node holds it; ZeRO-2 adds the weights to rank 0's snapshot; offload holds nothing.
+    assert footprint.snapshot_shortfall(on_disk, params, 1, 1, 3, False, 120 * 10**9) is None
+    assert footprint.snapshot_shortfall(on_disk, params, 1, 1, 2, False, 60 * 10**9).snapshot == 14 * params
+    assert footprint.snapshot_shortfall(in_shm, params, 1, 1, 3, True, 120 * 10**9) is None
+    # Two ranks a node share the budget; each holds half the optimizer state.
+    two = footprint.snapshot_shortfall(on_disk, params, world=2, nodes=1, zero_stage=3, offload=False,
+                                       available=60 * 10**9)
+    assert two.snapshot == 6 * params and two.budget == int(60 * 10**9 * 0.5 / 2)
+    (line,) = snapshot_warnings(in_shm, 1, 1, 120 * 10**9)
+    assert "written before its marker every iteration" in line and "(33.8 GB)" in line and "tmpfs" in line
+    assert snapshot_warnings(on_disk, 1, 1, 120 * 10**9) == []
+    # Off where nothing is deferred.
+    off = load_config(None, [f"run_dir={shm}/syncrl-test-never-written", *zero3, "tuning.deferred_checkpoint=false"])
+    assert footprint.snapshot_shortfall(off, params, 1, 1, 3, False, 10**9) is None

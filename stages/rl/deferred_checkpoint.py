@@ -22,7 +22,6 @@ import errno
 import json
 import logging
 import mmap
-import os
 import shutil
 import threading
 import time
@@ -31,13 +30,11 @@ from pathlib import Path
 import torch
 
 from stages.rl import policy_file
-from stages.runtime import local_checkpoints, markers, paced_writes
-from stages.runtime.memory import available_host_bytes
+from stages.runtime import footprint, local_checkpoints, markers, paced_writes
+from stages.runtime.memory import HOST_MEMORY_SHARE, available_host_bytes, memory_backed, snapshot_budget_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
 
-# Share of the node's available host memory the ranks of a node may hold in snapshots together.
-HOST_MEMORY_SHARE = 0.5
 
 
 class DeferredWrites:
@@ -115,14 +112,8 @@ class DeferredWrites:
             torch.save(state, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
 
 
-def why_not(cfg) -> str | None:
-    """Why train must write this run's checkpoint before its marker (None: it may defer it)."""
-    if not cfg.tuning.deferred_checkpoint:
-        return "tuning.deferred_checkpoint is off"
-    if cfg.save.export_dtype not in ("model", cfg.model.dtype):
-        return (f"save.export_dtype is {cfg.save.export_dtype}, not the training dtype {cfg.model.dtype}: save "
-                f"exports the fp32 master weights, which only the checkpoint holds")
-    return None
+# Torch-free, so that `syncrl check` applies the same rule.
+why_not = footprint.why_not_deferred
 
 
 def deferral_note(record: dict | None) -> str:
@@ -342,25 +333,7 @@ def snapshot_budget(ctx, folder: Path, held: int = 0) -> int:
     shared by the node's ranks, plus `held` (what the pool already holds for it); half that where the
     checkpoint's `folder` is in host memory, as each file written there takes its snapshot's size again."""
     ranks_per_node = max(1, ctx.world_size // max(1, ctx.info.num_nodes))
-    budget = available_host_bytes() * HOST_MEMORY_SHARE / ranks_per_node + held
-    return int(budget / (2 if memory_backed(folder) else 1))
-
-
-def memory_backed(path: Path) -> bool:
-    """Whether `path` (or where it will be: its symbolic links followed) is on a filesystem held in
-    host memory (tmpfs, ramfs), by the longest mount point of /proc/mounts that contains it."""
-    target = os.path.realpath(path)
-    try:
-        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines() if len(line.split()) > 2]
-    except OSError:
-        return False
-    best, kind = "", ""
-    for point, fstype in mounts:
-        point = point.replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fstype
-    return kind in ("tmpfs", "ramfs")
+    return snapshot_budget_bytes(available_host_bytes(), ranks_per_node, memory_backed(folder), held)
 
 
 def _rebuilt(obj, copies: dict):

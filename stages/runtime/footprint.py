@@ -1,4 +1,5 @@
-"""What a run will hold on disk, from the model's size alone, before it starts (`syncrl check`).
+"""What a run will hold on disk, and what a rank's deferred checkpoint will hold in host memory, from
+the model's size alone, before it starts (`syncrl check`).
 
 Per iteration train writes a DeepSpeed checkpoint and save exports an HF model; save.keep_checkpoints
 and save.keep_models say how many of each stay, and a new checkpoint is written beside the kept ones
@@ -14,7 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.runtime import local_checkpoints, safetensors_header
+from stages.runtime import local_checkpoints, memory, safetensors_header
 from stages.runtime.paths import RunPaths
 from stages.runtime.presets import PRESETS, VOCAB_SIZE
 
@@ -133,3 +134,48 @@ def shortfalls(cfg, fp: Footprint) -> list[tuple[Path, int, int, list[tuple[str,
         if need > have:
             out.append((existing, need, have, [(name, size) for name, size, _, _ in parts]))
     return out
+
+
+def why_not_deferred(cfg) -> str | None:
+    """Why train must write this run's checkpoint before its marker (None: it may defer it,
+    stages/rl/deferred_checkpoint.py)."""
+    if not cfg.tuning.deferred_checkpoint:
+        return "tuning.deferred_checkpoint is off"
+    if cfg.save.export_dtype not in ("model", cfg.model.dtype):
+        return (f"save.export_dtype is {cfg.save.export_dtype}, not the training dtype {cfg.model.dtype}: save "
+                f"exports the fp32 master weights, which only the checkpoint holds")
+    return None
+
+
+@dataclass
+class SnapshotShortfall:
+    """Rank 0's snapshot of a deferred checkpoint against its host-memory budget, on a node of the run."""
+    snapshot: int  # bytes: the model states (ZeRO 1-2) and this rank's optimizer partition
+    budget: int
+    in_memory: bool  # the checkpoint folder is in tmpfs: each file written there takes memory too
+    available_needed: int  # the node's available memory at which the snapshot would fit
+
+
+def snapshot_shortfall(cfg, params: int, world: int, nodes: int, zero_stage: int, offload: bool,
+                       available: int) -> SnapshotShortfall | None:
+    """Where a deferred checkpoint's largest snapshot (rank 0's) will not fit its host-memory budget,
+    so that train writes it before its marker every iteration: on the critical path. `available`: the
+    node's available memory now; the run's kept checkpoints come out of it where they are in tmpfs.
+    None where it fits, or nothing is deferred (why_not_deferred), or the optimizer state already
+    lives in host memory (`offload`: a snapshot then copies nothing)."""
+    if why_not_deferred(cfg) or offload:
+        return None
+    fp = footprint(cfg, params)
+    folder = Path(cfg.train.local_checkpoint_dir) if cfg.train.local_checkpoint_dir else \
+        Path(cfg.run_dir).expanduser() / "checkpoints"
+    in_memory = memory.memory_backed(filesystem_of(folder))
+    train_bytes = DTYPE_BYTES[cfg.model.dtype]
+    optimizer = fp.checkpoint - params * train_bytes  # master weights and moments, partitioned over the ranks
+    snapshot = optimizer // max(1, world) + (params * train_bytes if zero_stage < 3 else 0)
+    ranks_per_node = max(1, world // max(1, nodes))
+    kept = fp.checkpoint * min(cfg.save.keep_checkpoints, cfg.iterations) // max(1, nodes) if in_memory else 0
+    budget = memory.snapshot_budget_bytes(max(0, available - kept), ranks_per_node, in_memory)
+    if snapshot <= budget:
+        return None
+    needed = int(snapshot * (2 if in_memory else 1) * ranks_per_node / memory.HOST_MEMORY_SHARE) + kept
+    return SnapshotShortfall(snapshot=snapshot, budget=budget, in_memory=in_memory, available_needed=needed)

@@ -6,6 +6,7 @@ Torch is only consulted if the stage already imported it, so torch-free stages s
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import sys
 
@@ -43,6 +44,38 @@ def host_rss_peak_bytes() -> int:
     exec; getrusage's ru_maxrss would carry over the launching parent's peak."""
     peak = _proc_kib("/proc/self/status", "VmHWM:")
     return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# Share of the node's available host memory the ranks of a node may hold in deferred checkpoints'
+# snapshots together (stages/rl/deferred_checkpoint.py): a snapshot must never push the node into swap
+# or the OOM killer.
+HOST_MEMORY_SHARE = 0.5
+
+
+def snapshot_budget_bytes(available: int, ranks_per_node: int, in_memory: bool, held: int = 0) -> int:
+    """Host memory one rank's snapshot may hold: HOST_MEMORY_SHARE of the node's `available` memory,
+    shared by its ranks, plus `held` (what is already prepared for it); half that where the checkpoint
+    folder is `in_memory` (tmpfs), as each file written there takes its snapshot's size again."""
+    budget = available * HOST_MEMORY_SHARE / max(1, ranks_per_node) + held
+    return int(budget / (2 if in_memory else 1))
+
+
+def memory_backed(path) -> bool:
+    """Whether `path` (or where it will be: its symbolic links followed) is on a filesystem held in
+    host memory (tmpfs, ramfs), by the longest mount point of /proc/mounts that contains it."""
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f.read().splitlines() if len(line.split()) > 2]
+    except OSError:
+        return False
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind in ("tmpfs", "ramfs")
 
 
 def available_host_bytes() -> int:
