@@ -211,8 +211,12 @@ def preload(ctx: StageContext) -> deferred_checkpoint.HostPool | None:
     pool = deferred_checkpoint.prepare_pool(ctx)
     with phases("model_code"):
         config, ds_config = preload_model_code(ctx), deepspeed_config(ctx, warn=False)  # set-up warns
-    with phases("rehearsal"):
-        rehearse_step(ctx, config, ds_config)
+    if ctx.turn_came():  # the rehearsal only saves time, less than it takes: not once the stage is late
+        log.info("no rehearsal of a micro-step: the turn came while preloading")
+        phases.seconds["rehearsal"] = 0.0
+    else:
+        with phases("rehearsal"):
+            rehearse_step(ctx, config, ds_config)
     ctx.preload_phases.update(phases.seconds)
     return pool
 

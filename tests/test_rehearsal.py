@@ -124,3 +124,27 @@ def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
     big = torch.empty(int(rehearsal.GPU_SHARE * total) + 2**30, dtype=torch.uint8, device=device)
     del big
     torch.cuda.empty_cache()
+
+
+def test_a_preload_sees_its_turn_come_and_skips_what_only_saves_time(tmp_path):
+    # stages/runtime/stage.py wait_for_turn: a process started early runs its preload before waiting for
+    # the turn's file; train's preload rehearses only while the turn has not come (the rehearsal saves
+    # the first micro-batch less time than it takes, so it is no use to a stage already late).
+    from stages.runtime.stage import StageContext, wait_for_turn
+
+    turn = tmp_path / "generate.done"
+    ctx = StageContext(stage="train", iteration=1, cfg=None, paths=None, info=None, attempt=1, config_hash="",
+                       inputs="")
+    seen = []
+
+    def preload(c):
+        seen.append(c.turn_came())
+        turn.write_text("{}")
+        seen.append(c.turn_came())
+        return "preloaded"
+
+    assert wait_for_turn(ctx, str(turn), timeout_s=5, preload=preload) is not None
+    assert seen == [False, True] and ctx.preloaded == "preloaded" and ctx.late_s >= 0
+    # A process started at its turn (not early) has it already.
+    assert StageContext(stage="train", iteration=1, cfg=None, paths=None, info=None, attempt=1, config_hash="",
+                        inputs="").turn_came()

@@ -49,6 +49,12 @@ class StageContext:
     # A process started early: seconds from its creation to preload (interpreter and imports), then
     # the parts preload names; they add up to its import_s unless it waited.
     preload_phases: dict = field(default_factory=dict)
+    turn: str | None = None  # a process started early: the file whose existence is its turn
+
+    def turn_came(self) -> bool:
+        """Whether a process started early has had its turn come (while it preloads: what only
+        saves time may then be skipped); True for a process started at its turn."""
+        return self.turn is None or os.path.exists(self.turn)
 
     def summarize(self, fmt: str, *args) -> None:
         """The stage's one-line result: logged here, and by the coordinator from the marker."""
@@ -122,6 +128,7 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> f
     seconds waited, or None on giving up."""
     t0 = time.time()
     ctx.preload_phases["imports"] = round(max(0.0, t0 - _process_created()), 3)
+    ctx.turn = after
     if preload is not None:
         ctx.preloaded = preload(ctx)
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
