@@ -59,6 +59,23 @@ def preset_cache(tmp_path_factory):
     os.environ.setdefault(CACHE_ENV, str(base / "preset_cache"))
 
 
+@pytest.fixture
+def kernels_on(monkeypatch, request):
+    """The Triton kernels (stages/rl/fused_layers.py kernels()) where the test's tensors are: interpreted
+    on the host, compiled on a GPU (parametrize indirectly with "cuda"); their cache cleared around
+    the test, as the choice is made once per process."""
+    from stages.rl import fused_layers
+
+    device = getattr(request, "param", "cpu")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fused_layers.kernels.cache_clear()
+    yield device
+    fused_layers.kernels.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`syncrl run` of TINY_RUN with the local launcher, once per test session (about 35 s on 2 cores):

@@ -7,22 +7,10 @@ Triton's interpreter in float32; on a GPU (`pytest -m gpu`) compiled, in bf16.""
 import pytest
 import torch
 
-from stages.rl import decoding, fused_layers
+from stages.rl import decoding
 from tests.devices import DEVICES
 
 pytest.importorskip("triton")
-
-
-@pytest.fixture
-def kernels_on(monkeypatch, request):
-    device = getattr(request, "param", "cpu")
-    if device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    fused_layers.kernels.cache_clear()
-    yield device
-    fused_layers.kernels.cache_clear()
 
 
 def step_inputs(rows, heads, kv_heads, dim, attend, device, dtype, length=320):

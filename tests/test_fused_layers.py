@@ -19,19 +19,6 @@ from tests.workers.step_gradients import train_rows
 pytest.importorskip("triton")
 
 
-@pytest.fixture
-def kernels_on(monkeypatch, request):
-    """The kernels where the test's tensors are: interpreted on the host, compiled on a GPU."""
-    device = getattr(request, "param", "cpu")
-    if device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    fused_layers.kernels.cache_clear()
-    yield device
-    fused_layers.kernels.cache_clear()
-
-
 def models(kind: str, device: str):
     """(HF's, fused) copies of a small model with grouped-query attention: Llama (no biases) or Qwen2
     (biases on q, k and v); float32 on the host, bf16 on a GPU."""

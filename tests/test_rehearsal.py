@@ -14,14 +14,6 @@ from stages.runtime.config import TrainConfig, TuningConfig
 pytest.importorskip("triton")
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fused_layers.kernels.cache_clear()
-    yield
-    fused_layers.kernels.cache_clear()
-
-
 def config(kind: str = "llama"):
     from transformers import Qwen2Config
 
@@ -35,7 +27,7 @@ def config(kind: str = "llama"):
 
 
 @pytest.mark.parametrize("packed,kl", [(True, 0.0), (False, 0.1)], ids=["packed", "padded-kl"])
-def test_the_rehearsal_runs_the_micro_steps_pieces(interpreted, monkeypatch, packed, kl):
+def test_the_rehearsal_runs_the_micro_steps_pieces(kernels_on, monkeypatch, packed, kl):
     ran = []
     for name in ("RotaryQKV", "SwiGLU"):
         fn = getattr(fused_layers, name).apply
