@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jobs.launchers import group_problem, launcher_kind
 from stages.runtime.config import (ConfigError, RunConfig, config_diff, config_hash, deepspeed_derived, load_config,
-                                  to_dict, zero_stage)
+                                  optimizer_offloaded, to_dict, zero_stage)
 from stages.runtime import footprint, memory, reward_plugin
 from stages.runtime.data import CHAT_TEMPLATE_FIX, read_jsonl_problems
 from stages.runtime.dist import allocation
@@ -71,8 +71,7 @@ def snapshot_warnings(cfg: RunConfig, world: int, nodes: int, available: int) ->
     if params is None or path is None:
         return []
     ds = json.loads(path.read_text())
-    offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
-    short = footprint.snapshot_shortfall(cfg, params, world, nodes, zero_stage(ds), offload, available)
+    short = footprint.snapshot_shortfall(cfg, params, world, nodes, zero_stage(ds), optimizer_offloaded(ds), available)
     if short is None:
         return []
     where = ("checkpoints/ (or train.local_checkpoint_dir) on a disk with room for them rather than in tmpfs, "
@@ -454,7 +453,7 @@ def cuda_graph_problems(cfg: RunConfig, zero_stage: int, ds_path: Path) -> list[
 
 def flat_grad_norm_problems(ds: dict, zero_stage: int, ds_path: Path) -> list[str]:
     """tuning.grad_norm: flat takes the norm inside ZeRO 1-2's step, on the partition held on the device."""
-    offload = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    offload = optimizer_offloaded(ds)
     if zero_stage in (1, 2) and not offload:
         return []
     return [f"tuning.grad_norm is flat, which takes the norm in ZeRO stage 1 or 2's step without optimizer offload; "

@@ -32,7 +32,7 @@ import torch
 
 from stages.rl.modeling import DTYPES, load_policy, load_tokenizer, preload_model_code
 from stages.rl.serialization import checkpoint_io
-from stages.runtime import local_checkpoints, markers, safetensors_header
+from stages.runtime import footprint, local_checkpoints, markers, safetensors_header
 from stages.runtime.stage import MissingInput, StageContext, run_stage
 
 log = logging.getLogger("syncrl.save")
@@ -213,9 +213,7 @@ def preload(ctx) -> None:
     where save may consolidate its checkpoint: with the checkpoint after train's marker it links
     train's policy file in, and importing DeepSpeed beside the next train's and generate's own
     imports made a save started early late for its turn."""
-    from stages.rl.deferred_checkpoint import why_not
-
-    if why_not(ctx.cfg) is not None:
+    if footprint.why_not_deferred(ctx.cfg) is not None:
         import deepspeed.utils.zero_to_fp32  # noqa: F401 (the import is the point)
     preload_model_code(ctx)
 

@@ -36,7 +36,6 @@ from stages.runtime.memory import HOST_MEMORY_SHARE, available_host_bytes, memor
 log = logging.getLogger("syncrl.deferred_checkpoint")
 
 
-
 class DeferredWrites:
     """A checkpoint engine that snapshots on save() and writes on flush(); everything else is the
     wrapped engine's (loads, directories, commits)."""
@@ -110,10 +109,6 @@ class DeferredWrites:
             return
         with paced_writes.PacedFile(path) as f:
             torch.save(state, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
-
-
-# Torch-free, so that `syncrl check` applies the same rule.
-why_not = footprint.why_not_deferred
 
 
 def deferral_note(record: dict | None) -> str:
@@ -316,7 +311,7 @@ class HostPool:
 def prepare_pool(ctx) -> HostPool | None:
     """Host memory for this rank's snapshot, prepared in a thread by the previous iteration's layout
     (a train process started early, before its turn; CUDA only: elsewhere nothing is copied)."""
-    if ctx.iteration == 0 or why_not(ctx.cfg) or not torch.cuda.is_available():
+    if ctx.iteration == 0 or footprint.why_not_deferred(ctx.cfg) or not torch.cuda.is_available():
         return None
     # The budget is read once the previous checkpoint is written: until then its write may still be
     # taking host memory (a checkpoint directory on tmpfs), which the snapshot must leave to it.

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from stages.runtime.config import optimizer_offloaded, zero_stage
+
 log = logging.getLogger(__name__)
 
 ROWS, PROMPT, COMPLETION = 8, 16, 112  # 1,024 positions: the shapes of a short micro-batch
@@ -38,10 +40,9 @@ GPU_SHARE = 0.05
 
 def skip_reason(config, dtype: torch.dtype, ds_config: dict, gpu_bytes: int) -> str | None:
     """Why the rehearsal would not pay, or would not fit beside another stage (None: run it)."""
-    zero = ds_config.get("zero_optimization", {})
-    if zero.get("stage", 0) == 3:
+    if zero_stage(ds_config) == 3:
         return "ZeRO-3 runs each layer through its gathering hooks, which a one-layer model has not"
-    if (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+    if optimizer_offloaded(ds_config):
         return "the optimizer is offloaded (its step runs on the host)"
     need = memory_bytes(config, dtype)
     if need > GPU_SHARE * gpu_bytes:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from stages.rl import deferred_checkpoint, policy_file
 from stages.rl.serialization import checkpoint_io
-from stages.runtime import dist, local_checkpoints, markers
+from stages.runtime import dist, footprint, local_checkpoints, markers
 from stages.runtime.config import zero_stage
 from stages.runtime.stage import MissingInput, StageContext
 
@@ -44,7 +44,7 @@ def for_run(ctx: StageContext, ds_config: dict, pool: deferred_checkpoint.HostPo
     """This run's checkpointer; `pool`: host memory a train process started early prepared for a
     deferred checkpoint's snapshot."""
     folder = local_checkpoints.this_node(ctx.cfg.train.local_checkpoint_dir, ctx.paths)
-    why = deferred_checkpoint.why_not(ctx.cfg)
+    why = footprint.why_not_deferred(ctx.cfg)
     if why is None:
         return Deferred(ctx, ds_config, pool, folder)
     log.info("checkpoint written before the marker: %s", why)

@@ -261,6 +261,11 @@ def zero_stage(ds_config: dict) -> int:
     return ds_config.get("zero_optimization", {}).get("stage", 0)
 
 
+def optimizer_offloaded(ds_config: dict) -> bool:
+    """Whether a DeepSpeed config puts the optimizer's state and step on the host (or NVMe)."""
+    return (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+
+
 def deepspeed_derived(t: "TrainConfig", world_size: int) -> dict:
     """The DeepSpeed keys the run config decides (they replace the JSON's): train builds its engine with
     them and `syncrl check` validates the JSON with them."""
