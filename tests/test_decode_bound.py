@@ -56,3 +56,4 @@ def test_the_roofline_takes_the_bandwidth_of_the_card_it_runs_on(name, expected)
 def test_an_unknown_card_or_none_takes_the_h200_figure_and_says_so():
     assert hbm_bandwidth("") == (HBM_BYTES_PER_S, "H200, for no GPU")
     assert hbm_bandwidth("Tesla T4") == (HBM_BYTES_PER_S, "H200, for Tesla T4")
+    assert hbm_bandwidth("NVIDIA H200", given=2e12) == (2e12, "--bandwidth")  # a benchmark's --bandwidth

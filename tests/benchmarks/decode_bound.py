@@ -47,8 +47,11 @@ def card_name() -> str:
     return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
 
 
-def hbm_bandwidth(name: str | None = None) -> tuple[float, str]:
-    """The HBM bandwidth of card `name` (default: this machine's first GPU), and what it is taken for."""
+def hbm_bandwidth(name: str | None = None, given: float | None = None) -> tuple[float, str]:
+    """The HBM bandwidth of card `name` (default: this machine's first GPU), and what it is taken for;
+    `given` (a benchmark's --bandwidth) instead where set."""
+    if given:
+        return given, "--bandwidth"
     name = card_name() if name is None else name
     for key, value in HBM_BY_CARD.items():
         if key in name:

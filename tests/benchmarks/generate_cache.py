@@ -67,9 +67,7 @@ def main() -> int:
                              "memory bound; no sync is added")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # MODE@MODEL_DIR, one mode's process
     args = parser.parse_args()
-    card = "--bandwidth"
-    if args.bandwidth is None:
-        args.bandwidth, card = hbm_bandwidth()
+    args.bandwidth, card = hbm_bandwidth(given=args.bandwidth)
     if args.child:
         mode, model_dir = args.child.split("@", 1)
         print("RESULT " + json.dumps(run_mode(args, mode, Path(model_dir))), flush=True)
@@ -88,7 +86,9 @@ def main() -> int:
           f"{'bound tok/s':>11} {'of bound':>8} {'warm tok/s':>10}")
     results = {}
     for mode in args.modes.split(","):
-        child = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}@{model_dir}"]
+        # The bandwidth as found here: each mode's process need not ask nvidia-smi again.
+        child = [sys.executable, __file__, *sys.argv[1:], "--bandwidth", str(args.bandwidth), "--child",
+                 f"{mode}@{model_dir}"]
         proc = subprocess.run(child, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         for line in proc.stderr.splitlines():

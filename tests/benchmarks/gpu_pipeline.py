@@ -82,8 +82,7 @@ def main() -> int:
         if proc.returncode != 0:
             print(f"run failed with exit code {proc.returncode}; see {run_dir}/logs", file=sys.stderr)
             return proc.returncode
-    bandwidth = (args.bandwidth, "--bandwidth") if args.bandwidth else hbm_bandwidth()
-    figures = report(run_dir.resolve(), args.iterations, wall, args.peak_flops, bandwidth)
+    figures = report(run_dir.resolve(), args.iterations, wall, args.peak_flops, hbm_bandwidth(given=args.bandwidth))
     if not args.no_load_check:
         figures["load_check"] = load_check(run_dir.resolve(), args.iterations)
     if args.json:
