@@ -178,22 +178,36 @@ def test_rounds_are_planned_from_the_buffer():
 
     from stages.rl.decoding import CompactDecoder as D
 
-    def plan(rows, positions, groups, remaining):
+    def decoder(rows, positions):  # what _plan reads of a decoder
         dec = SimpleNamespace(rows=rows, positions=positions)
+        dec._calls_by_width = lambda groups, remaining: D._calls_by_width(dec, groups, remaining)
+        return dec
+
+    def plan(rows, positions, groups, remaining):
+        dec = decoder(rows, positions)
         return [(sum(len(q) for _, q in g), r, n) for g, r, n in D._plan(dec, groups, remaining)]
 
     prompts = [([1] * 60, list(range(i * 8, i * 8 + 8))) for i in range(256)]  # 2,048 sequences
     assert plan(2048, 2048 * 576, prompts, 512) == [(2048, 2048, 576)]  # all fit at full length
     # Room for rows of 384: all at once, each with 324 of its 512 tokens before it may spill.
     assert plan(2048, 2048 * 400, prompts, 512) == [(2048, 2048, 384)]
-    # Rows of 128 would give 68 tokens (< 512 / 4): calls of full-length rows instead, as equal as fit.
-    assert plan(2048, 2048 * 130, prompts, 512) == [(410, 410, 576)] * 4 + [(408, 410, 576)]
+    # Rows of 128 would give 68 tokens (< 512 / 4): calls of full-length rows instead, each as many as fit.
+    assert plan(2048, 2048 * 130, prompts, 512) == [(462, 462, 576)] * 4 + [(200, 462, 576)]
     # A row cap splits a prompt's attempts over two calls.
     assert plan(12, 10**6, prompts[:3], 64) == [(12, 12, 128), (12, 12, 128)]
     # Several calls take the prefixes shortest first, so each call pads to a width near its own prompts'.
     mixed = [([1] * n, [i]) for i, n in enumerate([90, 10, 70, 30, 50, 20])]
-    dec = SimpleNamespace(rows=2, positions=10**6)
+    dec = decoder(2, 10**6)
     assert [[len(p) for p, _ in g] for g, _, _ in D._plan(dec, mixed, 8)] == [[10, 20], [30, 50], [70, 90]]
+    # Each call's rows as long as its own prompts need: 1,000 sequences of 100-token prompts and 24 of
+    # 600 take two calls where rows sized for the longest prompt (1,152 positions) would take three.
+    gsm = [([1] * 100, list(range(i * 8, i * 8 + 8))) for i in range(125)] + \
+        [([1] * 600, list(range(1000 + i * 8, 1008 + i * 8))) for i in range(3)]
+    positions = 400 * 1152
+    assert positions // 1152 * 2 < 1024
+    assert plan(1024, positions, gsm, 512) == [(720, 720, 640), (304, 400, 1152)]
+    with pytest.raises(ValueError, match="not one row of a 600-token prefix"):
+        plan(1024, 1000, gsm, 512)
 
 
 def test_ladder_and_buffer_shapes():

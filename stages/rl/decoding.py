@@ -412,7 +412,7 @@ class CompactDecoder:
     def _plan(self, groups: list, remaining: int) -> list[tuple[list, int, int]]:
         """Calls for `groups`, each (its groups, rows, row length): all sequences at once in full-length
         rows when they fit; else at once in shorter rows when those give each sequence enough new
-        tokens (MIN_ROUND_SHARE); else in calls of full-length rows, as few and as equal as fit."""
+        tokens (MIN_ROUND_SHARE); else in calls of full-length rows, each as many as its width fits."""
         n = sum(len(qs) for _, qs in groups)
         width = max(len(p) for p, _ in groups)
         full = buffer_length(width, remaining)
@@ -420,9 +420,9 @@ class CompactDecoder:
         calls = math.ceil(n / at_once)
         per_call = math.ceil(n / calls)
         length = min(full, LENGTH_STEP * (self.positions // per_call // LENGTH_STEP))
-        if length < full and length - width < max(LENGTH_STEP, remaining * MIN_ROUND_SHARE):
-            calls = math.ceil(n / (self.positions // full))
-            per_call, length = math.ceil(n / calls), full
+        if length == full and calls > 1 or \
+                length < full and length - width < max(LENGTH_STEP, remaining * MIN_ROUND_SHARE):
+            return self._calls_by_width(groups, remaining)
         chunks, current, size = [], [], 0
         # Shortest prefixes first: each call's rows are padded to its own longest prefix and every decode
         # step reads the K/V of that whole width, so calls of like lengths read less padding.
@@ -437,6 +437,33 @@ class CompactDecoder:
                     current, size = [], 0
         if current:  # the same layout as the others: their graphs serve it
             chunks.append((current, per_call, length))
+        return chunks
+
+    def _calls_by_width(self, groups: list, remaining: int) -> list[tuple[list, int, int]]:
+        """Calls of full-length rows, shortest prefixes first, each holding as many sequences as rows of
+        its own longest prefix plus the new tokens fit: a call of short prompts then holds more of them
+        than rows sized for the longest prompt of all would, so there are fewer calls, and each call
+        reads the weights at every one of its steps. A call's rows are all its width fits (calls of one
+        width share a layout, and with it their CUDA graphs)."""
+        def rows_at(width: int) -> int:
+            return min(self.rows, self.positions // buffer_length(width, remaining))
+
+        chunks, current, size, width = [], [], 0, 0
+        for prefix, qs in sorted(groups, key=lambda g: len(g[0])):
+            while qs:  # a prompt's attempts may go in two calls: each prefills the prompt
+                room = rows_at(max(width, len(prefix))) - size
+                if room <= 0 and not current:
+                    raise ValueError(f"not one row of a {len(prefix)}-token prefix and {remaining} new tokens fits "
+                                     f"the buffer's {self.positions} positions")
+                if room <= 0:  # this prefix would shorten the call below what it holds: the call is full
+                    chunks.append((current, rows_at(width), buffer_length(width, remaining)))
+                    current, size, width = [], 0, 0
+                    continue
+                take = qs[:room]
+                current.append((prefix, take))
+                size, width, qs = size + len(take), max(width, len(prefix)), qs[len(take):]
+        if current:
+            chunks.append((current, rows_at(width), buffer_length(width, remaining)))
         return chunks
 
     def _call(self, prefixes, counts, params: SamplingParams, generator, record_logprobs, rows: int, length: int):
