@@ -6,6 +6,10 @@ with syncrl's decode attention (matmul) and under each SDPA backend that accepts
 reached counting the weights and the attended K/V once.
 
     python tests/benchmarks/decode_step.py [--rows 1024] [--shapes 1024x64,1024x256,1024x512,256x256,32x512]
+
+With --attention ROWSxATTENDxPADDED,...: the decode steps' attention alone, at the preset's heads, on one
+layer's K/V (each row's first PADDED positions masked, as a call's left padding is), through the decode
+kernel and the batched products, with the K/V bandwidth each reached counting the positions attended once.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ def main() -> int:
     parser.add_argument("--backends", default="matmul,default,efficient")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile", default=None, help="ROWSxATTEND: list the kernels of eager steps at that shape")
+    parser.add_argument("--attention", default=None, help="ROWSxATTENDxPADDED,...: time the attention alone")
     args = parser.parse_args()
+    if args.attention:
+        attention(args)
+        return 0
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -77,6 +85,48 @@ def main() -> int:
         del dec
         torch.cuda.empty_cache()
     return 0
+
+
+def attention(args) -> None:
+    import torch
+
+    from stages.rl import decoding
+    from stages.runtime.presets import PRESETS
+
+    shape = PRESETS[args.preset]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    dim = shape["hidden_size"] // heads
+    dtype = torch.bfloat16
+    print(f"{args.preset}: {heads} query heads, {kv_heads} K/V heads of {dim}; one layer")
+    print(f"{'path':<8} {'rows':>5} {'attend':>6} {'padded':>6} {'us':>8} {'K/V GB/s':>9}")
+    for item in args.attention.split(","):
+        rows, attend, padded = map(int, item.split("x"))
+        q = torch.randn(rows, 1, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
+        buffer = torch.randn(2, rows, kv_heads, args.length, dim, device="cuda", dtype=dtype)
+        k, v = buffer[0, :, :, :attend], buffer[1, :, :, :attend]
+        mask = torch.zeros(rows, 1, 1, args.length, device="cuda", dtype=dtype)
+        mask[:, :, :, :padded] = torch.finfo(dtype).min
+        mask = mask[:, :, :, :attend]
+        attended = 2 * rows * kv_heads * (attend - padded) * dim * buffer.element_size()
+        for name, fn in (("kernel", decoding.kernel_decode_attention), ("products", decoding.decode_attention)):
+            with torch.no_grad():
+                for _ in range(3):
+                    fn(None, q, k, v, mask)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn(None, q, k, v, mask)
+            times = []
+            for _ in range(args.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            ms = statistics.median(times)
+            print(f"{name:<8} {rows:>5} {attend:>6} {padded:>6} {ms * 1000:>8.1f} {attended / ms / 1e6:>9.0f}", flush=True)
+        del q, buffer, k, v, mask
+        torch.cuda.empty_cache()
 
 
 def profile(model, args, b: int, attend: int) -> None:
