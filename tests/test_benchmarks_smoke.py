@@ -131,9 +131,9 @@ def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_p
     out = run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/benchmarks/checkpoint_io.py",
                "--preset", "tiny-llama", "--model-dir", str(tmp_path / "base"), "--dir", str(tmp_path / "ckpt"),
                "--json", str(tmp_path / "io.json")])
-    assert "plain write" in out and out.count("read back identical") == 8 and "mean of 2:" in out
+    assert "plain write" in out and out.count("read back identical") == 10 and "mean of 2:" in out
     rows = json.loads((tmp_path / "io.json").read_text())["results"]
-    variants = ["default", "nocrc", "nocrc+mmap", "nocrc+mmap+pinned"]
+    variants = ["default", "nocrc", "nocrc+mmap", "nocrc+mmap+pinned", "nocrc+mmap+pinned+threads"]
     assert [r["variant"] for r in rows] == variants + variants[::-1]  # mirrored second pass
     assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)
 

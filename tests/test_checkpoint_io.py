@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stages.rl import serialization
 from stages.rl.serialization import checkpoint_io
+from tests.devices import DEVICES
 from stages.runtime.paths import RunPaths
 from stages.save import prune_checkpoints, prune_models
 
@@ -49,6 +51,69 @@ def test_mmap_off_reads_into_memory(tmp_path):
         torch.save({"w": torch.ones(1024)}, path)
         loaded = torch.load(path, weights_only=True)
     assert not mapped(path) and all(c == 0 for c in crcs(path)) and loaded["w"].sum() == 1024
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.stride(), a.device.type) == (b.dtype, b.shape, b.stride(), "cpu") and \
+            torch.equal(a.cpu(), b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threaded_writes_give_torch_saves_file(tmp_path, monkeypatch, device):
+    """parallel_save's file loads as torch.save's does: every dtype, views sharing a storage, an empty
+    tensor, a transposed one, nested containers; tensors cut into chunks that several threads write."""
+    monkeypatch.setattr(serialization, "CHUNK_BYTES", 1000)  # chunks that end mid-element, as 64 MB ones may
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(3001, generator=g)
+    state = {"flat": flat, "view": flat[7:20], "half": torch.randn(257, generator=g).to(torch.bfloat16),
+             "step": torch.tensor(3), "empty": torch.empty(0), "t": torch.randn(40, 30, generator=g).t(),
+             "groups": [{"ids": torch.arange(1000), "lr": 1e-6}], "name": "adam"}
+    state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    (tmp_path / "threads").mkdir()
+    (tmp_path / "torch").mkdir()
+    path = tmp_path / "threads" / "state.pt"
+    with checkpoint_io(mmap=False):
+        assert serialization.parallel_save(state, str(path), threads=3)
+        torch.save(state, tmp_path / "torch" / "state.pt")
+    back = torch.load(path, weights_only=False, map_location="cpu")
+    assert same(state, back)
+    assert back["view"].untyped_storage().data_ptr() == back["flat"].untyped_storage().data_ptr()
+    # Byte for byte the file torch.save writes under the same name and settings.
+    assert path.read_bytes() == (tmp_path / "torch" / "state.pt").read_bytes()
+
+
+def test_a_failed_threaded_write_is_raised(tmp_path, monkeypatch):
+    monkeypatch.setattr(serialization, "CHUNK_BYTES", 64)
+
+    def refuse(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serialization.os, "pwrite", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        serialization.parallel_save({"w": torch.ones(1000)}, str(tmp_path / "w.pt"), threads=2)
+
+
+def test_threaded_writes_wrap_deepspeeds_torch_engine_for_the_write_only():
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    engine.checkpoint_engine.zipfile_serialization = True
+    inner = engine.checkpoint_engine
+    with serialization.threaded_writes(engine, "checkpoint_engine", 4):
+        assert isinstance(engine.checkpoint_engine, serialization.ThreadedWrites)
+        assert engine.checkpoint_engine.load == inner.load  # all but save is the engine's
+    assert engine.checkpoint_engine is inner
+    with serialization.threaded_writes(engine, "checkpoint_engine", 0):  # 0: torch.save alone
+        assert engine.checkpoint_engine is inner
+    inner.zipfile_serialization = False  # the legacy format is torch.save's alone
+    with serialization.threaded_writes(engine, "checkpoint_engine", 4):
+        assert engine.checkpoint_engine is inner
 
 
 def run_dir(tmp_path, iterations: int, keep_checkpoints: int, keep_models: int, it: int):

@@ -93,6 +93,12 @@ def test_the_checkpoint_written_after_the_marker_gives_the_same_weights(runs):
     # Written before the marker, the checkpoint is an output of train, and save consolidates it.
     train = json.loads((before / "iter_00001" / "markers" / "train.done").read_text())
     assert "deferred_checkpoint" not in train and any(o.startswith("checkpoints/iter_00001/") for o in train["outputs"])
+    # Each rank's files went through the threaded write (tuning.checkpoint_write_threads), and resume read them.
+    for rank in (0, 1):
+        log = (before / "logs" / "iter_00000" / "train" / "attempt_1" / f"rank_{rank:05d}.log").read_text()
+        assert "_optim_states.pt: " in log and "written by 8 threads" in log, log[-2000:]
+    log = (before / "logs" / "iter_00001" / "train" / "attempt_1" / "rank_00000.log").read_text()
+    assert f"resumed weights and optimizer state from {before}/checkpoints/iter_00000" in log
 
 
 @pytest.mark.slow

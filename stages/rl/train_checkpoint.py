@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.rl import deferred_checkpoint, policy_file
-from stages.rl.serialization import checkpoint_io
+from stages.rl.serialization import checkpoint_io, threaded_writes
 from stages.runtime import dist, footprint, local_checkpoints, markers
 from stages.runtime.config import zero_stage
 from stages.runtime.stage import MissingInput, StageContext
@@ -79,8 +79,13 @@ class Checkpointer:
         """What is left once the marker is in (the deferred mode's writes)."""
 
     def write(self, engine) -> None:
-        """Every rank's files into the staging folder."""
-        with checkpoint_io(self.ctx.cfg.tuning.checkpoint_mmap):
+        """Every rank's files into the staging folder (a deferred checkpoint's: those it cannot hold in
+        host memory), each through tuning.checkpoint_write_threads threads."""
+        tuning = self.ctx.cfg.tuning
+        held = engine.checkpoint_engine
+        owner, attr = ((held, "inner") if isinstance(held, deferred_checkpoint.DeferredWrites)
+                       else (engine, "checkpoint_engine"))
+        with checkpoint_io(tuning.checkpoint_mmap), threaded_writes(owner, attr, tuning.checkpoint_write_threads):
             # save_latest=False: syncrl names the tag it resumes from; a "latest" file would name the staging one.
             engine.save_checkpoint(str(self.folder), tag=self.staging, save_latest=False,
                                    client_state={"iteration": self.ctx.iteration})

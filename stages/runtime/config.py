@@ -413,6 +413,11 @@ class TuningConfig:
     # Read DeepSpeed checkpoints (train's resume, save's consolidation) through mmap: straight from the
     # page cache the previous write filled. Turn off on a filesystem whose mmap is slow or unsupported.
     checkpoint_mmap: bool = True
+    # Threads that write the DeepSpeed checkpoint's files before train's marker (a plain or node-local
+    # checkpoint, or a deferred one's files over the host-memory budget): torch.save's file, its
+    # tensors' bytes copied and written in 64 MB chunks by this many threads (stages/rl/serialization.py).
+    # 0: torch.save alone, as DeepSpeed calls it.
+    checkpoint_write_threads: int = 8
     # A stage started early (start_early) waits at most this long (s) for the previous stage's marker.
     start_early_wait_s: int = 21600
     # A stage is done once every rank's marker is in; processes still exiting then (closing NCCL
@@ -431,6 +436,9 @@ class TuningConfig:
             raise ConfigError("tuning.train_graphs needs packed micro-batches (one fixed shape to capture): set "
                               "tuning.remove_padding=true, or tuning.train_graphs=false")
         _positive("tuning.start_early_wait_s", self.start_early_wait_s)
+        if self.checkpoint_write_threads < 0:
+            raise ConfigError(f"tuning.checkpoint_write_threads must be >= 0 (got {self.checkpoint_write_threads}; "
+                              "0 writes each file with torch.save alone)")
         if not self.exit_grace_s > 0:
             raise ConfigError(f"tuning.exit_grace_s must be > 0 (got {self.exit_grace_s})")
         if self.marker_wait_s < 0:

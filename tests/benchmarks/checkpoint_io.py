@@ -16,6 +16,7 @@ torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go t
   nocrc     save.compute_crc32 = False
   pinned    save.use_pinned_memory_for_d2h = True
   mmap      load.mmap = True (tensors come straight from the page cache the write filled)
+  threads   each file through stages/rl/serialization.py's parallel_save (tuning.checkpoint_write_threads: 8)
 
 syncrl's train and save stages use nocrc+pinned+mmap (stages/rl/serialization.py).
 
@@ -53,8 +54,10 @@ def variant_settings(name: str) -> tuple[dict, dict]:
     """("save" settings, "load" settings) of a variant: "default", or parts of SETTINGS joined by "+"."""
     out = {"save": {}, "load": {}}
     for part in [] if name == "default" else name.split("+"):
+        if part == "threads":
+            continue
         if part not in SETTINGS:
-            raise SystemExit(f"unknown variant part {part!r} in {name!r}: use default or {'+'.join(SETTINGS)}")
+            raise SystemExit(f"unknown variant part {part!r} in {name!r}: use default or {'+'.join(SETTINGS)}+threads")
         section, key, value = SETTINGS[part]
         out[section][key] = value
     return out["save"], out["load"]
@@ -77,7 +80,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="trace the last load on rank 0 (torch.profiler)")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--dir", default="/tmp/syncrl-ckpt", help="where checkpoints are written (emptied first)")
-    parser.add_argument("--variants", default="default,nocrc,nocrc+mmap,nocrc+mmap+pinned")
+    parser.add_argument("--variants", default="default,nocrc,nocrc+mmap,nocrc+mmap+pinned,nocrc+mmap+pinned+threads")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the variants, in mirrored order")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -89,6 +92,7 @@ def main() -> int:
     import torch.distributed as tdist
     from torch.utils.serialization import config as ser
 
+    from stages.rl.serialization import threaded_writes
     from stages.rl.modeling import load_policy
     from stages.rl.tiny_model import create_base_model
 
@@ -150,7 +154,8 @@ def main() -> int:
         with ser.patch(**{f"save.{k}": v for k, v in save_cfg.items()}, **{f"load.{k}": v for k, v in load_cfg.items()}):
             sync()
             t0 = time.perf_counter()
-            engine.save_checkpoint(str(out), tag=name)
+            with threaded_writes(engine, "checkpoint_engine", 8 if "threads" in name.split("+") else 0):
+                engine.save_checkpoint(str(out), tag=name)
             sync()
             save_s = all_ranks(time.perf_counter() - t0)
             with torch.no_grad():
