@@ -110,6 +110,10 @@ def parallel_save(obj, path: str, threads: int | None = None) -> bool:
                            f"{len(storages)} storages found in the object")
     work = [(s, offset + start, start, min(CHUNK_BYTES, s.nbytes() - start))
             for s, offset in zip(storages, offsets) for start in range(0, s.nbytes(), CHUNK_BYTES)]
+    # The threads copy on streams of their own: what the caller's stream still computes into these
+    # tensors (the optimizer step) must be done first, as torch.save's copies on that stream would wait.
+    for device in {s.device for s in storages if s.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
     fd = os.open(path, os.O_WRONLY)
     try:
         _write_chunks(fd, work, threads or min(8, os.cpu_count() or 1))
@@ -153,7 +157,9 @@ def _write_chunks(fd: int, work: list, threads: int) -> None:
             storage, at, start, size = item
             try:
                 source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[start:start + size]
-                if source.device.type != "cpu":
+                if source.device.type not in ("cpu", "cuda"):
+                    source = source.cpu()
+                elif source.device.type == "cuda":
                     if staging is None:
                         staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
                         stream = torch.cuda.Stream(source.device)
