@@ -67,16 +67,7 @@ def main() -> int:
                 with ctx, torch.no_grad():
                     dec.cache.set_write_position(attend - 1)
                     dec._forward(b, attend)
-                graph = dec.graphs.get(dec._graph_key(b, attend))
-                times = []
-                for _ in range(args.repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                ms = statistics.median(times)
+                ms = replay_ms(dec.graphs.get(dec._graph_key(b, attend)), args.repeats)
                 moved = dec.weight_bytes + b * attend * dec.kv_per_position
                 print(f"{name:<10} {b:>5} {attend:>6} {ms:>8.3f} {moved / ms / 1e6:>7.0f}", flush=True)
             except Exception as e:  # noqa: BLE001 (a backend that refuses the shapes is reported, not fatal)
@@ -85,6 +76,21 @@ def main() -> int:
         del dec
         torch.cuda.empty_cache()
     return 0
+
+
+def replay_ms(graph, repeats: int) -> float:
+    """The median of `repeats` replays of a CUDA graph, each timed by CUDA events (ms)."""
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def attention(args) -> None:
@@ -115,15 +121,7 @@ def attention(args) -> None:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     fn(None, q, k, v, mask)
-            times = []
-            for _ in range(args.repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = statistics.median(times)
+            ms = replay_ms(graph, args.repeats)
             print(f"{name:<8} {rows:>5} {attend:>6} {padded:>6} {ms * 1000:>8.1f} {attended / ms / 1e6:>9.0f}", flush=True)
         del q, buffer, k, v, mask
         torch.cuda.empty_cache()
