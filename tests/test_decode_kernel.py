@@ -47,6 +47,85 @@ def test_the_kernel_gives_the_products_attention(kernels_on, rows, heads, kv_hea
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
 
 
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+@pytest.mark.parametrize("heads, kv_heads, dim, width, attend, groups", [
+    (24, 8, 128, 70, 130, [3, 1, 2]),  # the 3B shape's heads; a prompt of two blocks, the second part
+    (4, 4, 32, 5, 9, [2, 2]),  # no grouping; a prompt shorter than a block
+    (4, 2, 64, 64, 400, [40, 1]),  # more rows in a group than one pass takes
+])
+def test_rows_that_share_a_prompt_read_it_once_and_attend_as_alone(kernels_on, heads, kv_heads, dim, width, attend,
+                                                                     groups):
+    """The decode kernel with shared prompts (a group of consecutive rows holding one copy of a prompt's
+    K/V and mask, as the sampler's attempts do) gives the products' attention of each row alone."""
+    device = kernels_on
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows = sum(groups)
+    q, k, v, mask = step_inputs(rows, heads, kv_heads, dim, attend, device, dtype)
+    mask = mask.clone()
+    first = 0
+    for n in groups:  # a group's rows: one prompt (its K/V, its left padding), then positions of their own
+        k[first:first + n, :, :width] = k[first, :, :width]
+        v[first:first + n, :, :width] = v[first, :, :width]
+        mask[first:first + n, :, :, :width] = 0
+        mask[first:first + n, :, :, :width * first // rows] = torch.finfo(dtype).min
+        first += n
+    mask[:, :, :, attend - 3:] = torch.finfo(dtype).min  # positions not yet written
+    group_rows = torch.zeros(rows, dtype=torch.int32)
+    group_rows[torch.tensor(groups).cumsum(0) - torch.tensor(groups)] = torch.tensor(groups, dtype=torch.int32)
+    prompts = decoding.SharedPrompts(group_rows.to(device), torch.tensor([width], dtype=torch.int32, device=device),
+                                     torch.full((rows * heads * (dim + 2),), float("nan"), device=device))
+    want, _ = decoding.decode_attention(None, q.float(), k.float(), v.float(), mask.float())
+    with decoding.shared_prompts(prompts):
+        got, _ = decoding.kernel_decode_attention(None, q, k, v, mask)
+    tol = 1e-5 if device == "cpu" else 2e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+
+def test_a_prompts_rows_stay_one_group_through_compactions(kernels_on):
+    """The sampler's bookkeeping for shared prompts: after the prefill each prompt's attempts are one
+    group led by its first row; a compaction keeps the live rows in order, so a group's survivors
+    are again consecutive and led by the first of them, and a padding row is a group of its own."""
+    from stages.rl.decoding import CompactDecoder, buffer_length
+    from tests.test_fused_layers import models
+
+    _, fused = models("llama", "cpu")
+    dec = CompactDecoder(fused.eval(), rows=8, length=buffer_length(4, 6), cuda_graphs=False)
+    assert dec.prompts is not None
+    dec.cache.set_layout(8, buffer_length(4, 6))
+    with torch.no_grad():
+        dec._prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [3, 1, 4], 4)
+    assert dec.prompts.group_rows.tolist() == [3, 0, 0, 1, 4, 0, 0, 0] and dec.prompts.width.item() == 4
+    done = torch.tensor([True, False, False, True, False, True, False, False])
+    tokens, results = torch.zeros(8, 6, dtype=torch.long), torch.zeros(8, 6, dtype=torch.long)
+    # Live: rows 1 and 2 (the first prompt's), 4, 6 and 7 (the third's); six rows decode from now on.
+    assert dec._compact(8, 6, 5, 4, done, torch.arange(8), tokens, None, results, None) == 6
+    assert dec.prompts.group_rows[:6].tolist() == [2, 0, 3, 0, 0, 1]
+    for key in dec.cache.keys:  # each group's leading row holds its prompt's K/V
+        assert torch.equal(key[0, :, :4], key[1, :, :4]) and torch.equal(key[2, :, :4], key[4, :, :4])
+    assert not dec._share  # prompts of a few positions: each row reads its own
+
+
+def test_prompts_are_read_once_a_group_while_the_groups_are_large(kernels_on):
+    """Long prompts with several attempts each are shared; once the live rows average fewer than
+    SHARE_ROWS_PER_GROUP a prompt, each row reads its own again (the steps' graphs are told apart)."""
+    from stages.rl.decoding import SHARE_PROMPTS_FROM, SHARE_ROWS_PER_GROUP, CompactDecoder, buffer_length
+    from tests.test_fused_layers import models
+
+    _, fused = models("llama", "cpu")
+    width = SHARE_PROMPTS_FROM
+    n = 2 * SHARE_ROWS_PER_GROUP
+    dec = CompactDecoder(fused.eval(), rows=n, length=buffer_length(width, 4), cuda_graphs=False)
+    dec.cache.set_layout(n, buffer_length(width, 4))
+    with torch.no_grad():
+        dec._prefill([[4 + i % 20 for i in range(width)], [5 + i % 20 for i in range(width)]], [n // 2, n // 2], width)
+    assert dec._share and dec._graph_key(n, width + 64)[-1]
+    done = torch.ones(n, dtype=torch.bool)
+    done[[0, n - 1]] = False  # one row of each prompt lives on
+    tokens = torch.zeros(n, 4, dtype=torch.long)
+    dec._compact(n, 2, 2, width, done, torch.arange(n), tokens, None, tokens.clone(), None)
+    assert dec.prompts.group_rows[:2].tolist() == [1, 1] and not dec._share
+
+
 def test_the_prefix_splits_fill_the_multiprocessors():
     cpu = torch.device("cpu")  # counted as 4 multiprocessors
     assert decoding.kernel_splits(1, 300, cpu) == 4  # 8 programs; the prefix has 5 blocks

@@ -201,22 +201,71 @@ def kernel_decode_attention(module, query, key, value, attention_mask, dropout=0
     out = query.new_empty(b, 1, heads, dim)
     mask = attention_mask if attention_mask is not None else query.new_zeros(b, 1, 1, attend)
     splits = kernel_splits(b * kv_heads, attend, query.device)
-    chunk = KERNEL_BLOCK * -(-attend // (splits * KERNEL_BLOCK))
     part = torch.empty(b * kv_heads * splits * max(16, pow2(group)) * (dim + 2) if splits > 1 else 1,
                        dtype=torch.float32, device=query.device)
     k = kernels()
+    scale = scaling or dim ** -0.5
+    strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2), value.stride(0),
+               value.stride(1), value.stride(2), mask.stride(0))
+    # Where rows are too few to fill the GPU the prefix is split instead, and groups of rows are small.
+    prompts = _shared_prompts if splits == 1 else None
+    if prompts is not None:
+        # The prompt's positions once per group of rows, then each row's own (shared_prompts).
+        k.decode_attention_prompt[(b, kv_heads)](
+            query, key, value, mask, prompts.part, prompts.group_rows, prompts.width, *strides, scale,
+            KV_HEADS=kv_heads, GROUP=group, G2=pow2(group), ROWS=max(1, 32 // pow2(group)), DIM=dim,
+            BLOCK=KERNEL_BLOCK)
     shape = dict(KV_HEADS=kv_heads, GROUP=group, G_P2=max(16, pow2(group)), DIM=dim)
     k.decode_attention[(b * kv_heads, splits)](
-        query, key, value, mask, out, part, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        key.stride(2), value.stride(0), value.stride(1), value.stride(2), mask.stride(0), out.stride(0), out.stride(2),
-        attend, chunk, scaling or dim ** -0.5, BLOCK=KERNEL_BLOCK, SPLITS=splits, **shape)
+        query, key, value, mask, out, part, prompts.part if prompts else part, prompts.width if prompts else part,
+        *strides, out.stride(0), out.stride(2), attend, scale, BLOCK=KERNEL_BLOCK, SPLITS=splits,
+        SHARED=prompts is not None, **shape)
     if splits > 1:
         k.decode_attention_combine[(b * kv_heads,)](part, out, out.stride(0), out.stride(2), SPLITS=splits, **shape)
     return out, None
 
 
+@dataclass
+class SharedPrompts:
+    """What the decode kernel needs to read a prompt's K/V once for all the rows that share it (the
+    attempts of one prompt, consecutive rows whose buffer holds the same copy of its K/V): group_rows
+    [rows] int32, a group's row count at its first row and 0 elsewhere; width [1] int32, the
+    positions the prompts take (all of a call's prompts are left-padded to one width); part, float32
+    room for each row's and head's attention over them. Device tensors, so that a captured step reads
+    what the loop last wrote into them."""
+    group_rows: torch.Tensor
+    width: torch.Tensor
+    part: torch.Tensor
+
+
+# Set around a decode step's forward by the compact sampler when its rows share prompts: the
+# attention interface passes no state of the caller's to kernel_decode_attention.
+_shared_prompts: SharedPrompts | None = None
+
+
+class shared_prompts:
+    """`with shared_prompts(p):` the decode kernel reads the prompts' positions once per group (p), or
+    each row's own (None)."""
+
+    def __init__(self, prompts: SharedPrompts | None):
+        self.prompts = prompts
+
+    def __enter__(self):
+        global _shared_prompts
+        self.before, _shared_prompts = _shared_prompts, self.prompts
+
+    def __exit__(self, *exc):
+        global _shared_prompts
+        _shared_prompts = self.before
+
+
 # Positions the decode kernel reads a block at a time.
 KERNEL_BLOCK = 64
+# The decode kernel reads a prompt once for the rows that share it while that pays for its second
+# kernel: in calls whose prompts take at least SHARE_PROMPTS_FROM positions, while the live rows
+# number at least SHARE_ROWS_PER_GROUP a prompt on average (rows end and the groups thin out).
+SHARE_PROMPTS_FROM = 2 * KERNEL_BLOCK
+SHARE_ROWS_PER_GROUP = 3
 
 
 def pow2(n: int) -> int:
@@ -368,9 +417,21 @@ class CompactDecoder:
         self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         self.mask = torch.zeros(rows, 1, 1, length, dtype=self.dtype, device=self.device)
         self.logits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
-        # One graph per (buffer layout, rows decoded, attended prefix): a layout's views have their own
-        # addresses and strides.
-        self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
+        # The attempts of a prompt decode in consecutive rows whose prompt K/V is one copy: the decode
+        # kernel reads it once for all of them (SharedPrompts). Which group each row is in, to keep
+        # the groups through compactions.
+        self.prompts, self._share = None, False
+        if self.decode_kernel:
+            heads, dim = self.cache._shape
+            group = model.config.num_attention_heads // kv_heads(model.config)
+            self.prompts = SharedPrompts(torch.zeros(rows, dtype=torch.int32, device=self.device),
+                                         torch.zeros(1, dtype=torch.int32, device=self.device),
+                                         torch.empty(rows * heads * group * (dim + 2), dtype=torch.float32,
+                                                     device=self.device))
+            self.group_of_row = torch.zeros(rows, dtype=torch.long, device=self.device)
+        # One graph per (buffer layout, rows decoded, attended prefix, prompts shared): a layout's views
+        # have their own addresses and strides.
+        self.graphs: dict[tuple[int, int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._stream = None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -580,6 +641,13 @@ class CompactDecoder:
             for k in self.cache.keys + self.cache.values:
                 k[:n_seq, :, :width] = k[source, :, :width]
             self.logits[:n_seq] = self.logits[source]
+        self._share = self.prompts is not None and width >= SHARE_PROMPTS_FROM and \
+            n_seq >= SHARE_ROWS_PER_GROUP * n_prompt
+        if self.prompts is not None:
+            self.group_of_row[:n_seq] = torch.arange(n_prompt, device=self.device).repeat_interleave(counts_t)
+            self.prompts.group_rows.zero_()
+            self.prompts.group_rows[first_rows] = counts_t.int()
+            self.prompts.width.fill_(width)
         rows_real = real.repeat_interleave(counts_t, 0)
         self.mask[:n_seq].fill_(neg)
         self.mask[:n_seq, 0, 0, :width].masked_fill_(rows_real, 0)
@@ -613,8 +681,8 @@ class CompactDecoder:
             graph = self._capture(b, attend)
         graph.replay()
 
-    def _graph_key(self, b: int, attend: int) -> tuple[int, int, int, int]:
-        return self.cache.rows, self.cache.length, b, attend
+    def _graph_key(self, b: int, attend: int) -> tuple[int, int, int, int, bool]:
+        return self.cache.rows, self.cache.length, b, attend, self._share
 
     def _step(self, b: int, attend: int) -> None:
         self.cache.active, self.cache.attend = b, attend
@@ -625,9 +693,10 @@ class CompactDecoder:
         elif self.decode_attention and (attend < MATMUL_ATTENTION_BELOW or self._grouped):
             config._attn_implementation = DECODE_ATTENTION
         try:
-            out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
-                             attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
-                             **{self._cache_kw: self.cache})
+            with shared_prompts(self.prompts if self._share else None):
+                out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
+                                 attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
+                                 **{self._cache_kw: self.cache})
         finally:
             config._attn_implementation = before
         self.logits[:b].copy_(out.logits[:, -1])
@@ -674,6 +743,15 @@ class CompactDecoder:
         # Rows past the live ones are padding: decoded, never collected.
         seq_of_row[live:new_b] = -1
         done[live:new_b] = True
+        if self.prompts is not None:  # the live rows keep their order: a group's rows stay consecutive
+            groups = self.group_of_row
+            groups[:live] = groups[keep]
+            groups[live:new_b] = -1 - torch.arange(new_b - live, device=groups.device)  # each a group of its own
+            starts = torch.nonzero(torch.cat([groups[:1] == groups[:1], groups[1:new_b] != groups[:new_b - 1]]))
+            sizes = torch.diff(starts.squeeze(1), append=torch.tensor([new_b], device=groups.device))
+            self.prompts.group_rows.zero_()
+            self.prompts.group_rows[starts.squeeze(1)] = sizes.int()
+            self._share = self._share and live >= SHARE_ROWS_PER_GROUP * int((starts < live).sum())
         self.stats.compactions += 1
         return new_b
 

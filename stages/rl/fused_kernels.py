@@ -98,13 +98,16 @@ def sum_of(a, b):
 
 
 @triton.jit
-def decode_attention(q, k, v, mask, out, part, s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb, s_ob, s_oh,
-                     attend, chunk, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr,
-                     DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh,
+                     s_vl, s_mb, s_ob, s_oh, attend, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                     G_P2: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                     SHARED: tl.constexpr):
     # One program per (row, K/V head, split of the prefix): the GROUP query heads that share the K/V head
     # attend together, so each K/V block is read once for all of them. Scores are float32 and stay
     # finite (floored at -1e30): a split whose positions are all masked (a row's left padding) ends
     # with a maximum of -1e30 and a sum of 0, and combine() weighs it by exp(-1e30 - max) = 0.
+    # SHARED (with one split): decode_attention_prompt has attended over the first prompt_width positions
+    # (the prompt, the same for a group of rows); this program goes on from its result over the rest.
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = bh // KV_HEADS
@@ -113,11 +116,20 @@ def decode_attention(q, k, v, mask, out, part, s_qb, s_qh, s_kb, s_kh, s_kl, s_v
     d = tl.arange(0, DIM)
     queries = tl.load(q + row * s_qb + (head * GROUP + g)[:, None] * s_qh + d[None, :], mask=(g < GROUP)[:, None],
                       other=0.0)
-    start = split * chunk
+    if SHARED:
+        lo = tl.load(prompt_width)
+        base = prompt_part + (bh * GROUP + g) * (DIM + 2)
+        m = tl.load(base + DIM, mask=g < GROUP, other=-1e30)
+        total = tl.load(base + DIM + 1, mask=g < GROUP, other=0.0)
+        acc = tl.load(base[:, None] + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    else:
+        lo = 0
+        m = tl.full([G_P2], -1e30, tl.float32)
+        total = tl.full([G_P2], 0.0, tl.float32)
+        acc = tl.full([G_P2, DIM], 0.0, tl.float32)
+    chunk = BLOCK * ((attend - lo + SPLITS * BLOCK - 1) // (SPLITS * BLOCK))
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, attend)
-    m = tl.full([G_P2], -1e30, tl.float32)
-    total = tl.full([G_P2], 0.0, tl.float32)
-    acc = tl.full([G_P2, DIM], 0.0, tl.float32)
     for n0 in range(start, end, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         inside = n < end
@@ -147,6 +159,54 @@ def decode_attention(q, k, v, mask, out, part, s_qb, s_qh, s_kb, s_kh, s_kl, s_v
         tl.store(base[:, None] + d[None, :], acc)
         tl.store(base + DIM, m)
         tl.store(base + DIM + 1, total)
+
+
+@triton.jit
+def decode_attention_prompt(q, k, v, mask, prompt_part, group_rows, prompt_width, s_qb, s_qh, s_kb, s_kh, s_kl,
+                            s_vb, s_vh, s_vl, s_mb, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                            G2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (row, K/V head). A row that leads a group of consecutive rows (group_rows[row] > 0:
+    # a prompt's attempts, whose buffer rows hold the same copy of the prompt's K/V) attends for all of
+    # them over the prompt's positions, ROWS rows x GROUP heads of queries at a time, so each K/V block
+    # of the prompt is read once for the group instead of once a row; the other programs have nothing
+    # to do. Each row's unnormalised output, maximum and sum go to prompt_part for decode_attention.
+    row0 = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    count = tl.load(group_rows + row0)
+    width = tl.load(prompt_width)
+    i = tl.arange(0, ROWS * G2)
+    r = i // G2
+    g = i % G2
+    d = tl.arange(0, DIM)
+    for r0 in range(0, count, ROWS):
+        lane = (r0 + r < count) & (g < GROUP)
+        rows = row0 + r0 + r
+        queries = tl.load(q + rows[:, None] * s_qb + (head * GROUP + g)[:, None] * s_qh + d[None, :],
+                          mask=lane[:, None], other=0.0)
+        m = tl.full([ROWS * G2], -1e30, tl.float32)
+        total = tl.full([ROWS * G2], 0.0, tl.float32)
+        acc = tl.full([ROWS * G2, DIM], 0.0, tl.float32)
+        for n0 in range(0, width, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            inside = n < width
+            bias = tl.load(mask + row0 * s_mb + n, mask=inside, other=-1e30).to(tl.float32)
+            if tl.reduce(bias, 0, max_of) > -1e29:
+                keys = tl.load(k + row0 * s_kb + head * s_kh + n[:, None] * s_kl + d[None, :], mask=inside[:, None],
+                               other=0.0)
+                s = tl.dot(queries, tl.trans(keys)) * scale
+                s = tl.where(inside[None, :], tl.maximum(s + bias[None, :], -1e30), -1e30)
+                m_new = tl.maximum(m, tl.reduce(s, 1, max_of))
+                p = tl.where(inside[None, :], tl.exp(s - m_new[:, None]), 0.0)
+                alpha = tl.exp(m - m_new)
+                total = total * alpha + tl.reduce(p, 1, sum_of)
+                values = tl.load(v + row0 * s_vb + head * s_vh + n[:, None] * s_vl + d[None, :],
+                                 mask=inside[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+                m = m_new
+        base = prompt_part + ((rows * KV_HEADS + head) * GROUP + g) * (DIM + 2)
+        tl.store(base[:, None] + d[None, :], acc, mask=lane[:, None])
+        tl.store(base + DIM, m, mask=lane)
+        tl.store(base + DIM + 1, total, mask=lane)
 
 
 @triton.jit
