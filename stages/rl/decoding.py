@@ -11,7 +11,10 @@ cache. This loop runs the same model forward, with three differences:
   positions: every row of a call shares its positions (prompts are left-padded to one width), so the
   prefix is the same for all of them;
 - on GPU, each (batch size, prefix length) decode step is captured once as a CUDA graph and
-  replayed, so a step costs one launch instead of a few hundred.
+  replayed, so a step costs one launch instead of a few hundred;
+- with the decode kernel, the attempts of one prompt (consecutive rows, each holding a copy of the
+  prompt's K/V) read the prompt's positions once for all of them while they are many and the prompt
+  long (SharedPrompts), then each its own positions.
 
 The buffer holds as many K/V positions as fit the free GPU memory (generate.memory_fraction). When
 that is fewer than every sequence reaching max_new_tokens needs, all sequences still start at once,
