@@ -95,6 +95,7 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
     for mode in modes:
         assert re.search(rf"^{re.escape(mode)} +[0-9.]+s +[0-9]+ +[0-9]+ ", out, re.M), mode
     assert "bound at 4.80 TB/s (H200, for no GPU)" in out and "compactions" in out
+    assert re.search(r"roofline with each prompt's K/V read once for its attempts .*: all [0-9.e-]+s, [0-9.]+% of", out)
     # The compact sampler's steps by rows decoded, and its line per call.
     assert re.search(r"^STEPS +4 +[1-9][0-9]* +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%$", out, re.M), out
     assert re.search(r"^decoding call 1: 4 sequences of width [0-9]+, ", out, re.M), out

@@ -32,6 +32,25 @@ def test_each_phase_is_the_larger_of_its_compute_and_its_memory_time():
     assert rf["new_tokens_per_s"] == pytest.approx(8 / rf["bound_s"])
 
 
+def test_with_shared_prompts_a_step_reads_each_live_prompt_once():
+    # Two prompts of 10 and 20 tokens, two attempts each: completions 3 and 5, 2 and 2.
+    pairs = [(10, 3), (10, 5), (20, 2), (20, 2)]
+    own = roofline(pairs, attempts=2, shape=SHAPE, peak_flops=1e30, bandwidth=1e12)
+    shared = roofline(pairs, attempts=2, shape=SHAPE, peak_flops=1e30, bandwidth=1e12, shared_prompts=True)
+    # Step 1: all four live (prompt positions read 10 + 10 + 20 + 20, or 10 + 20 shared); steps 2-4: the first
+    # prompt's attempts, then one of them (20 or 10 at step 2; 10 at steps 3 and 4 either way).
+    generated = {1: 4 * 2, 2: 2 * 3, 3: 4, 4: 5}
+    prompt_own, prompt_shared = {1: 60, 2: 20, 3: 10, 4: 10}, {1: 30, 2: 10, 3: 10, 4: 10}
+
+    def memory(prompt, k):
+        return (2 * 10**9 + 128 * (prompt[k] + generated[k])) / 1e12
+    assert own["phases"]["full"]["memory_s"] == pytest.approx(memory(prompt_own, 1))
+    assert shared["phases"]["full"]["memory_s"] == pytest.approx(memory(prompt_shared, 1))
+    assert shared["phases"]["tail"]["memory_s"] == pytest.approx(sum(memory(prompt_shared, k) for k in (2, 3, 4)))
+    assert own["phases"]["tail"]["memory_s"] == pytest.approx(sum(memory(prompt_own, k) for k in (2, 3, 4)))
+    assert shared["phases"]["full"]["compute_s"] == own["phases"]["full"]["compute_s"]  # every row still attends
+
+
 def test_a_decode_bound_workload_sits_on_the_memory_roof():
     # Many short rows on a large model: every step reads the weights, few FLOPs per byte.
     pairs = [(100, 200)] * 8

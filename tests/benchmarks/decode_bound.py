@@ -100,10 +100,12 @@ def bound(pairs: list[tuple[int, int]], weight_bytes: int, kv_per_position: int,
 
 
 def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flops: float = PEAK_FLOPS,
-             bandwidth: float = HBM_BYTES_PER_S) -> dict:
+             bandwidth: float = HBM_BYTES_PER_S, shared_prompts: bool = False) -> dict:
     """Per phase (prefill, full, tail) and in all: compute seconds, memory seconds, the bound
     (seconds), the decode steps and whether compute or memory binds most of them. `pairs` are in
-    prompt order, `attempts` consecutive sequences per prompt (as generate's rows are)."""
+    prompt order, `attempts` consecutive sequences per prompt (as generate's rows are). Each decode
+    step reads every live sequence's prompt K/V; with shared_prompts, each prompt's once for all of
+    its live attempts (what a sampler that shares them could reach at best)."""
     attn = 4 * shape.layers * shape.q_heads * shape.head_dim  # FLOPs per (token, position attended)
     kv = shape.kv_per_position
     prompts = [p for p, _ in pairs[::attempts]]
@@ -113,19 +115,24 @@ def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flo
     phases = {"prefill": _phase(flops / peak_flops, memory / bandwidth, 1 if prompts else 0, 0)}
     # Decode step k (k = 1 .. longest - 1; the first new token comes from the prefill's logits) runs
     # the sequences with more than k new tokens, each attending to its prompt and k tokens.
-    by_length = sorted(pairs, key=lambda pc: pc[1], reverse=True)
+    by_length = sorted(range(len(pairs)), key=lambda j: pairs[j][1], reverse=True)
     shortest = min((c for _, c in pairs), default=0)
-    longest = by_length[0][1] if by_length else 0
+    longest = pairs[by_length[0]][1] if by_length else 0
     live, prefix, i = 0, 0, 0  # live sequences at step k, and the sum of their prompt lengths
+    read, live_prompts = 0, set()  # the prompt positions a step reads, with shared_prompts
     acc = {"full": [0.0, 0.0, 0.0, 0, 0], "tail": [0.0, 0.0, 0.0, 0, 0]}
     for k in range(longest - 1, 0, -1):  # from the last step back, adding sequences as they become live
-        while i < len(by_length) and by_length[i][1] > k:
+        while i < len(by_length) and pairs[by_length[i]][1] > k:
+            j = by_length[i]
             live += 1
-            prefix += by_length[i][0]
+            prefix += pairs[j][0]
+            if j // attempts not in live_prompts:
+                live_prompts.add(j // attempts)
+                read += pairs[j][0]
             i += 1
         attended = prefix + live * (k + 1)
         compute = (2 * shape.params * live + attn * attended) / peak_flops
-        mem = (shape.weight_bytes + kv * attended) / bandwidth
+        mem = (shape.weight_bytes + kv * ((read if shared_prompts else prefix) + live * (k + 1))) / bandwidth
         a = acc["full" if k < shortest else "tail"]
         a[0] += compute
         a[1] += mem

@@ -11,7 +11,8 @@ what the stage did before), `compiled:batch_size=512`, `paged`, `dynamic:batch_s
 Prints per mode: the first call's wall time, new tokens/s (up to end-of-sequence), decoded
 positions/s (rows that decode steps ran, finished rows included), the sampling and log-prob-pass
 split, the memory-bandwidth bound for the same completions, and the roofline per phase (prefill, all
-sequences running, the tail) against the compact sampler's own times (tests/benchmarks/decode_bound.py).
+sequences running, the tail) against the compact sampler's own times (tests/benchmarks/decode_bound.py),
+and in all with each prompt's K/V read once for its attempts.
 With --step-times, also the compact sampler's decode steps grouped by the rows they ran: wall time
 per step against that step's memory bound (weights plus the K/V of the attended prefix), and its
 line per call (prompt width, steps, prefill time).
@@ -104,6 +105,8 @@ def main() -> int:
         b = bound(pairs, weights, kv, args.bandwidth)
         r["bound"] = b
         r["roofline"] = roofline(pairs, args.attempts, shape, args.peak_flops, args.bandwidth)
+        r["roofline_shared_prompts"] = roofline(pairs, args.attempts, shape, args.peak_flops, args.bandwidth,
+                                                shared_prompts=True)
         results[mode] = r
         cold = r["calls"][0]
         warm = r["calls"][1:]
@@ -121,6 +124,10 @@ def main() -> int:
                   f"prefill {s.get('prefill_s', 0):.2f}s; peak GPU {r['peak_gib']:.1f} GiB; "
                   f"process start to first call done {r['first_call_done_s']:.1f}s", flush=True)
             print(f"{'':<28} {roofline_line(r['roofline'], s, cold['sample_s'])}", flush=True)
+            if cold["sample_s"]:
+                shared = r["roofline_shared_prompts"]["bound_s"]
+                print(f"{'':<28} roofline with each prompt's K/V read once for its attempts (as the decode kernel "
+                      f"may): all {shared:.3g}s, {shared / cold['sample_s']:.1%} of sampling", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
