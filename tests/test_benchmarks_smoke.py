@@ -107,11 +107,15 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
                str(tiny_run.dir), "--json", str(tmp_path / "pipe.json")], timeout=600)
     for needle in ("wall time per stage", "train start-up phases", "deepspeed_initialize", "checkpoint GB/s",
                    "start-up per stage", "non-compute share", "tensors differ from base", "process exit",
-                   "preload past turn s", "train preload, started early", "deepspeed_lazy_modules"):
+                   "preload past turn s", "train preload, started early", "deepspeed_lazy_modules",
+                   "of roofline, shared"):
         assert needle in out, needle
     import json
     figures = json.loads((tmp_path / "pipe.json").read_text())
     assert 0 < figures["non_compute_share"][0] < 1 and figures["checkpoint_bytes"] > 0
+    for it in figures["iterations"]:  # reading each prompt once for its attempts can only lower the bound
+        g = it["generate"]
+        assert 0 < g["of_roofline_shared_prompts"] <= g["of_roofline"]["all"]
     assert all(it["train"]["preload_late_s"] >= 0 for it in figures["iterations"])
     exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
     assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save", "persist"]) and min(exits.values()) >= 0

@@ -212,6 +212,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
         gen_s = max(r["generate_s"] for r in gen)
         gen_pos, pairs = generate_positions(run_dir, it, cfg, gen)
         bounds = [roofline(p, cfg["generate"]["attempts"], shape, bandwidth=bandwidth[0]) for p in pairs]
+        shared = [roofline(p, cfg["generate"]["attempts"], shape, bandwidth=bandwidth[0], shared_prompts=True)
+                  for p in pairs]
         tr = train[0]
         train_s = max(r["train_s"] for r in train)
         tokens = tr["tokens"]  # all ranks (all-reduced)
@@ -237,6 +239,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
                 # rank's sampling time as a share of it, per phase (the compact sampler's own times).
                 "bound_tokens_per_s_per_gpu": fmean(b["new_tokens_per_s"] for b in bounds),
                 "of_roofline": roofline_shares(bounds, gen),
+                # The same with each prompt's K/V read once for its attempts (as the decode kernel may).
+                "of_roofline_shared_prompts": roofline_shares(shared, gen)["all"],
                 "sample_s": max(r.get("sampling", {}).get("sample_s", r["generate_s"]) for r in gen),
                 "logprob_pass_s": max(r.get("sampling", {}).get("logprob_pass_s", 0.0) for r in gen),
                 "graph_capture_s": max(r.get("sampling", {}).get("graph_capture_s", 0.0) for r in gen),
@@ -331,6 +335,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
         print(f"    of roofline, {phase:<7}", "  ".join(
             f"{r['generate']['of_roofline'][phase]:>9.1%}" if r["generate"]["of_roofline"].get(phase) is not None
             else f"{'-':>9}" for r in per_it))
+    print("    of roofline, shared ", "  ".join(
+        f"{r['generate']['of_roofline_shared_prompts']:>9.1%}" if r["generate"]["of_roofline_shared_prompts"] is not None
+        else f"{'-':>9}" for r in per_it), " (all, each prompt's K/V read once for its attempts)")
     print(f"  (roofline: per phase the larger of its FLOPs at {PEAK_FLOPS / 1e12:.0f} TFLOP/s and its bytes, the "
           f"weights once per pass + the K/V each token attends to, at {bandwidth[0] / 1e12:.2f} TB/s ({bandwidth[1]}); full: every "
           "sequence running, tail: after the first stopped; tests/benchmarks/decode_bound.py)")
