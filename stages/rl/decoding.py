@@ -750,10 +750,12 @@ class CompactDecoder:
             groups = self.group_of_row
             groups[:live] = groups[keep]
             groups[live:new_b] = -1 - torch.arange(new_b - live, device=groups.device)  # each a group of its own
-            starts = torch.nonzero(torch.cat([groups[:1] == groups[:1], groups[1:new_b] != groups[:new_b - 1]]))
-            sizes = torch.diff(starts.squeeze(1), append=torch.tensor([new_b], device=groups.device))
+            leads = torch.ones(new_b, dtype=torch.bool, device=groups.device)
+            leads[1:] = groups[1:new_b] != groups[:new_b - 1]
+            starts = torch.nonzero(leads).squeeze(1)
+            sizes = torch.diff(starts, append=torch.tensor([new_b], device=groups.device))
             self.prompts.group_rows.zero_()
-            self.prompts.group_rows[starts.squeeze(1)] = sizes.int()
+            self.prompts.group_rows[starts] = sizes.int()
             self._share = self._share and live >= SHARE_ROWS_PER_GROUP * int((starts < live).sum())
         self.stats.compactions += 1
         return new_b

@@ -98,6 +98,31 @@ def sum_of(a, b):
 
 
 @triton.jit
+def attend_positions(queries, keys_at, values_at, bias_at, s_kl, s_vl, start, end, scale, m, total, acc, d,
+                     BLOCK: tl.constexpr):
+    # Positions [start, end) of one row's K/V for one head (keys_at, values_at: its first position;
+    # bias_at: the row's mask) folded into the running softmax (m, total, acc) of `queries`. The mask
+    # first (two bytes a position against the K/V's thousands): a block it masks whole (the row's left
+    # padding, positions not yet written) is not read.
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        inside = n < end
+        bias = tl.load(bias_at + n, mask=inside, other=-1e30).to(tl.float32)
+        if tl.reduce(bias, 0, max_of) > -1e29:
+            keys = tl.load(keys_at + n[:, None] * s_kl + d[None, :], mask=inside[:, None], other=0.0)
+            s = tl.dot(queries, tl.trans(keys)) * scale
+            s = tl.where(inside[None, :], tl.maximum(s + bias[None, :], -1e30), -1e30)
+            m_new = tl.maximum(m, tl.reduce(s, 1, max_of))
+            p = tl.where(inside[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.reduce(p, 1, sum_of)
+            values = tl.load(values_at + n[:, None] * s_vl + d[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            m = m_new
+    return m, total, acc
+
+
+@triton.jit
 def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh,
                      s_vl, s_mb, s_ob, s_oh, attend, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                      G_P2: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
@@ -130,25 +155,8 @@ def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, s_qb, 
     chunk = BLOCK * ((attend - lo + SPLITS * BLOCK - 1) // (SPLITS * BLOCK))
     start = lo + split * chunk
     end = tl.minimum(start + chunk, attend)
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        inside = n < end
-        # The row's mask first (two bytes a position against the K/V's thousands): a block it masks
-        # whole (the row's left padding, positions not yet written) is not read.
-        bias = tl.load(mask + row * s_mb + n, mask=inside, other=-1e30).to(tl.float32)
-        if tl.reduce(bias, 0, max_of) > -1e29:
-            keys = tl.load(k + row * s_kb + head * s_kh + n[:, None] * s_kl + d[None, :], mask=inside[:, None],
-                           other=0.0)
-            s = tl.dot(queries, tl.trans(keys)) * scale
-            s = tl.where(inside[None, :], tl.maximum(s + bias[None, :], -1e30), -1e30)
-            m_new = tl.maximum(m, tl.reduce(s, 1, max_of))
-            p = tl.where(inside[None, :], tl.exp(s - m_new[:, None]), 0.0)
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.reduce(p, 1, sum_of)
-            values = tl.load(v + row * s_vb + head * s_vh + n[:, None] * s_vl + d[None, :], mask=inside[:, None],
-                             other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-            m = m_new
+    m, total, acc = attend_positions(queries, k + row * s_kb + head * s_kh, v + row * s_vb + head * s_vh,
+                                     mask + row * s_mb, s_kl, s_vl, start, end, scale, m, total, acc, d, BLOCK)
     if SPLITS == 1:
         o = acc / total[:, None]
         tl.store(out + row * s_ob + (head * GROUP + g)[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty),
@@ -186,23 +194,8 @@ def decode_attention_prompt(q, k, v, mask, prompt_part, group_rows, prompt_width
         m = tl.full([ROWS * G2], -1e30, tl.float32)
         total = tl.full([ROWS * G2], 0.0, tl.float32)
         acc = tl.full([ROWS * G2, DIM], 0.0, tl.float32)
-        for n0 in range(0, width, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            inside = n < width
-            bias = tl.load(mask + row0 * s_mb + n, mask=inside, other=-1e30).to(tl.float32)
-            if tl.reduce(bias, 0, max_of) > -1e29:
-                keys = tl.load(k + row0 * s_kb + head * s_kh + n[:, None] * s_kl + d[None, :], mask=inside[:, None],
-                               other=0.0)
-                s = tl.dot(queries, tl.trans(keys)) * scale
-                s = tl.where(inside[None, :], tl.maximum(s + bias[None, :], -1e30), -1e30)
-                m_new = tl.maximum(m, tl.reduce(s, 1, max_of))
-                p = tl.where(inside[None, :], tl.exp(s - m_new[:, None]), 0.0)
-                alpha = tl.exp(m - m_new)
-                total = total * alpha + tl.reduce(p, 1, sum_of)
-                values = tl.load(v + row0 * s_vb + head * s_vh + n[:, None] * s_vl + d[None, :],
-                                 mask=inside[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-                m = m_new
+        m, total, acc = attend_positions(queries, k + row0 * s_kb + head * s_kh, v + row0 * s_vb + head * s_vh,
+                                         mask + row0 * s_mb, s_kl, s_vl, 0, width, scale, m, total, acc, d, BLOCK)
         base = prompt_part + ((rows * KV_HEADS + head) * GROUP + g) * (DIM + 2)
         tl.store(base[:, None] + d[None, :], acc, mask=lane[:, None])
         tl.store(base + DIM, m, mask=lane)
