@@ -75,8 +75,27 @@ def test_rows_that_share_a_prompt_read_it_once_and_attend_as_alone(kernels_on, h
     prompts = decoding.SharedPrompts(group_rows.to(device), torch.tensor([width], dtype=torch.int32, device=device),
                                      torch.full((rows * heads * (dim + 2),), float("nan"), device=device))
     want, _ = decoding.decode_attention(None, q.float(), k.float(), v.float(), mask.float())
-    with decoding.shared_prompts(prompts):
+    with decoding.decode_step_state(prompts):
         got, _ = decoding.kernel_decode_attention(None, q, k, v, mask)
+    tol = 1e-5 if device == "cpu" else 2e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+@pytest.mark.parametrize("rows, attend", [(3, 130), (1, 300), (12, 65)])  # one split; four; one, a block and a position
+def test_the_kernel_reads_the_prefix_up_to_the_written_position(kernels_on, rows, attend):
+    """Given whole buffer rows and the written position on the device (as the sampler's captured steps
+    give them), the kernel attends over the prefix up to it: the products' attention over that prefix."""
+    device = kernels_on
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, mask = step_inputs(rows, 24, 8, 128, attend, device, dtype, length=320)
+    want, _ = decoding.decode_attention(None, q.float(), k.float(), v.float(), mask.float())
+    # The whole rows of the buffer, and a mask that hides the positions past the written one.
+    k, v = (x.as_strided((rows, 8, 320, 128), x.stride()) for x in (k, v))
+    whole = torch.full((rows, 1, 1, 320), torch.finfo(dtype).min, dtype=dtype, device=device)
+    whole[..., :attend] = mask
+    with decoding.decode_step_state(None, torch.tensor([attend - 1], device=device)):
+        got, _ = decoding.kernel_decode_attention(None, q, k, v, whole)
     tol = 1e-5 if device == "cpu" else 2e-2
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
 

@@ -11,7 +11,8 @@ cache. This loop runs the same model forward, with three differences:
   positions: every row of a call shares its positions (prompts are left-padded to one width), so the
   prefix is the same for all of them;
 - on GPU, each (batch size, prefix length) decode step is captured once as a CUDA graph and
-  replayed, so a step costs one launch instead of a few hundred;
+  replayed, so a step costs one launch instead of a few hundred; the decode kernel reads the prefix
+  length from the GPU, so with it one graph per batch size serves every prefix length;
 - with the decode kernel, the attempts of one prompt (consecutive rows, each holding a copy of the
   prompt's K/V) read the prompt's positions once for all of them while they are many and the prompt
   long (SharedPrompts), then each its own positions.
@@ -213,16 +214,17 @@ def kernel_decode_attention(module, query, key, value, attention_mask, dropout=0
     # Where rows are too few to fill the GPU the prefix is split instead, and groups of rows are small.
     prompts = _shared_prompts if splits == 1 else None
     if prompts is not None:
-        # The prompt's positions once per group of rows, then each row's own (shared_prompts).
+        # The prompt's positions once per group of rows, then each row's own (decode_step_state).
         k.decode_attention_prompt[(b, kv_heads)](
             query, key, value, mask, prompts.part, prompts.group_rows, prompts.width, *strides, scale,
             KV_HEADS=kv_heads, GROUP=group, G2=pow2(group), ROWS=max(1, 32 // pow2(group)), DIM=dim,
             BLOCK=KERNEL_BLOCK)
+    written = _written_at
     shape = dict(KV_HEADS=kv_heads, GROUP=group, G_P2=max(16, pow2(group)), DIM=dim)
     k.decode_attention[(b * kv_heads, splits)](
         query, key, value, mask, out, part, prompts.part if prompts else part, prompts.width if prompts else part,
-        *strides, out.stride(0), out.stride(2), attend, scale, BLOCK=KERNEL_BLOCK, SPLITS=splits,
-        SHARED=prompts is not None, **shape)
+        written if written is not None else part, *strides, out.stride(0), out.stride(2), attend, scale,
+        BLOCK=KERNEL_BLOCK, SPLITS=splits, SHARED=prompts is not None, WRITTEN=written is not None, **shape)
     if splits > 1:
         k.decode_attention_combine[(b * kv_heads,)](part, out, out.stride(0), out.stride(2), SPLITS=splits, **shape)
     return out, None
@@ -241,25 +243,29 @@ class SharedPrompts:
     part: torch.Tensor
 
 
-# Set around a decode step's forward by the compact sampler when its rows share prompts: the
-# attention interface passes no state of the caller's to kernel_decode_attention.
+# Set around a decode step's forward by the compact sampler (the attention interface passes no state
+# of the caller's to kernel_decode_attention): the rows' shared prompts, where they share them, and
+# the position the step writes, a device scalar, when K, V and the mask span the whole buffer row.
 _shared_prompts: SharedPrompts | None = None
+_written_at: torch.Tensor | None = None
 
 
-class shared_prompts:
-    """`with shared_prompts(p):` the decode kernel reads the prompts' positions once per group (p), or
-    each row's own (None)."""
+class decode_step_state:
+    """`with decode_step_state(prompts, written):` the decode kernel reads the prompts' positions once
+    per group (`prompts`; None: each row its own) and the prefix up to the position `written` holds
+    (None: all of K and V as given)."""
 
-    def __init__(self, prompts: SharedPrompts | None):
-        self.prompts = prompts
+    def __init__(self, prompts: SharedPrompts | None, written: torch.Tensor | None = None):
+        self.state = prompts, written
 
     def __enter__(self):
-        global _shared_prompts
-        self.before, _shared_prompts = _shared_prompts, self.prompts
+        global _shared_prompts, _written_at
+        self.before = _shared_prompts, _written_at
+        _shared_prompts, _written_at = self.state
 
     def __exit__(self, *exc):
-        global _shared_prompts
-        _shared_prompts = self.before
+        global _shared_prompts, _written_at
+        _shared_prompts, _written_at = self.before
 
 
 # Positions the decode kernel reads a block at a time.
@@ -433,7 +439,7 @@ class CompactDecoder:
                                                      device=self.device))
             self.group_of_row = torch.zeros(rows, dtype=torch.long, device=self.device)
         # One graph per (buffer layout, rows decoded, attended prefix, prompts shared): a layout's views
-        # have their own addresses and strides.
+        # have their own addresses and strides. The decode kernel's graphs leave the prefix out.
         self.graphs: dict[tuple[int, int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._stream = None
@@ -587,7 +593,7 @@ class CompactDecoder:
             self.position_ids[:b] += 1
             st.steps += 1
             st.decoded_positions += b
-            st.kv_bytes_read += b * attend * self.kv_per_position
+            st.kv_bytes_read += b * (pos + 1 if self.decode_kernel else attend) * self.kv_per_position
             st.weight_bytes_read += self.weight_bytes
         decode_s = time.perf_counter() - t1
         st.decode_s += decode_s
@@ -685,18 +691,23 @@ class CompactDecoder:
         graph.replay()
 
     def _graph_key(self, b: int, attend: int) -> tuple[int, int, int, int, bool]:
-        return self.cache.rows, self.cache.length, b, attend, self._share
+        # The decode kernel's steps read their prefix length on the GPU: one graph for all of them.
+        return self.cache.rows, self.cache.length, b, 0 if self.decode_kernel else attend, self._share
 
     def _step(self, b: int, attend: int) -> None:
-        self.cache.active, self.cache.attend = b, attend
         config = self.model.config
         before = config._attn_implementation
+        written = None
         if self.decode_kernel:
+            # The kernel reads up to the written position itself: the layers get whole rows, and one
+            # graph per batch size serves every prefix length.
+            attend, written = self.cache.length, self.cache.write_at
             config._attn_implementation = DECODE_KERNEL_ATTENTION
         elif self.decode_attention and (attend < MATMUL_ATTENTION_BELOW or self._grouped):
             config._attn_implementation = DECODE_ATTENTION
+        self.cache.active, self.cache.attend = b, attend
         try:
-            with shared_prompts(self.prompts if self._share else None):
+            with decode_step_state(self.prompts if self._share else None, written):
                 out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
                                  attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
                                  **{self._cache_kw: self.cache})

@@ -123,16 +123,18 @@ def attend_positions(queries, keys_at, values_at, bias_at, s_kl, s_vl, start, en
 
 
 @triton.jit
-def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh,
-                     s_vl, s_mb, s_ob, s_oh, attend, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, written, s_qb, s_qh, s_kb, s_kh, s_kl,
+                     s_vb, s_vh, s_vl, s_mb, s_ob, s_oh, attend, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                      G_P2: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                     SHARED: tl.constexpr):
+                     SHARED: tl.constexpr, WRITTEN: tl.constexpr):
     # One program per (row, K/V head, split of the prefix): the GROUP query heads that share the K/V head
     # attend together, so each K/V block is read once for all of them. Scores are float32 and stay
     # finite (floored at -1e30): a split whose positions are all masked (a row's left padding) ends
     # with a maximum of -1e30 and a sum of 0, and combine() weighs it by exp(-1e30 - max) = 0.
     # SHARED (with one split): decode_attention_prompt has attended over the first prompt_width positions
     # (the prompt, the same for a group of rows); this program goes on from its result over the rest.
+    # WRITTEN: the prefix ends after the position `written` holds (a device scalar the sampler sets each
+    # step, so one captured step serves every prefix length); `attend` is then only the buffer's length.
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = bh // KV_HEADS
@@ -152,6 +154,8 @@ def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, s_qb, 
         m = tl.full([G_P2], -1e30, tl.float32)
         total = tl.full([G_P2], 0.0, tl.float32)
         acc = tl.full([G_P2, DIM], 0.0, tl.float32)
+    if WRITTEN:
+        attend = tl.load(written).to(tl.int32) + 1
     chunk = BLOCK * ((attend - lo + SPLITS * BLOCK - 1) // (SPLITS * BLOCK))
     start = lo + split * chunk
     end = tl.minimum(start + chunk, attend)
