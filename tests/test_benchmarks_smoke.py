@@ -143,6 +143,21 @@ def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_p
     assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)
 
 
+def test_checkpoint_benchmarks_fingerprint_changes_with_any_element():
+    # The benchmark checks a read-back state by these sums instead of a copy: one changed element,
+    # or two swapped, must show, in the last partial chunk as in a whole one.
+    from tests.benchmarks.checkpoint_io import fingerprint
+    import torch
+    t = torch.randn(1000)
+    before = fingerprint(t, chunk=256)
+    assert len(before) == 4 and fingerprint(t.clone(), chunk=256) == before
+    changed = t.clone()
+    changed[999] = torch.nextafter(changed[999], torch.tensor(1e9))
+    swapped = t.clone()
+    swapped[[3, 4]] = t[[4, 3]]
+    assert fingerprint(changed, chunk=256) != before and fingerprint(swapped, chunk=256) != before
+
+
 def test_checkpoint_benchmark_builds_a_shape_and_traces_its_last_load(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                            "tests/benchmarks/checkpoint_io.py", "--shape", "small-llama-host", "--variants", "nocrc+mmap",

@@ -5,7 +5,8 @@ both Adam moments: 14 bytes per parameter, 6.66 GB for the ~0.48B preset) and th
 back, both on the iteration's critical path. This builds the engine train builds (the preset, the
 ZeRO config of configs/gpu_small.yaml), takes one optimizer step so that the Adam state exists, then
 for each variant times engine.save_checkpoint and engine.load_checkpoint (what train calls),
-checks that every rank's fp32 master partition and Adam moments read back bit-identical, and prints
+checks that every rank's fp32 master partition and Adam moments read back with the bits they had
+(position-weighted sums of their bits, chunk by chunk), and prints
 seconds and GB/s (slowest rank) per run and the mean per variant. A plain write of the same number
 of bytes from host memory into the same directory is printed first: the filesystem's own ceiling.
 
@@ -73,6 +74,21 @@ def optimizer_tensors(engine) -> list:
     return out
 
 
+def fingerprint(t, chunk: int = 1 << 26) -> list[int]:
+    """Position-weighted sums of a float32 tensor's bits, one per chunk of `chunk` elements: any changed
+    element changes its chunk's sum (but for a 2**64 wrap). Computed where the tensor lives, a chunk
+    at a time, so that checking a 3B model's state needs no copy of it (a host copy beside the
+    checkpoint in tmpfs does not fit the host memory of a 125 GB machine)."""
+    import torch
+    bits = t.detach().reshape(-1).view(torch.int32)
+    sums = []
+    for i in range(0, bits.numel(), chunk):
+        part = bits[i:i + chunk].to(torch.int64)
+        weights = torch.arange(i + 1, i + 1 + part.numel(), dtype=torch.int64, device=part.device)
+        sums.append(int((part * weights).sum()))
+    return sums
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small-llama")
@@ -119,9 +135,9 @@ def main() -> int:
     ids = torch.randint(4, model.config.vocab_size, (1, 64), device=device)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    # Kept on the host: beside the engine's own state and the copy that loading casts onto the GPU, a
-    # GPU copy does not fit an 80 GB card at the 3B shape.
-    expected = [t.detach().to("cpu", copy=True) for t in optimizer_tensors(engine)]
+    # Fingerprints, not a copy: at the 3B shape a copy of the state fits neither beside the engine's on
+    # an 80 GB card nor beside the checkpoint in tmpfs on the host.
+    expected = [fingerprint(t) for t in optimizer_tensors(engine)]
 
     def all_ranks(value: float, op=tdist.ReduceOp.MAX) -> float:
         """`value` reduced over the ranks: the slowest rank's seconds by default."""
@@ -135,14 +151,17 @@ def main() -> int:
         tdist.barrier()
 
     results = []
-    local_bytes = sum(t.numel() * t.element_size() for t in expected)
+    local_bytes = sum(t.numel() * t.element_size() for t in optimizer_tensors(engine))
     if rank == 0:
         local_bytes += sum(p.numel() * p.element_size() for p in engine.module.parameters())
-    host = torch.empty(local_bytes, dtype=torch.uint8).fill_(1)
+    # One host buffer written over and over: the file's bytes are what a checkpoint's would be, and
+    # the host holds one buffer, not a second checkpoint.
+    host = torch.empty(min(local_bytes, 1 << 30), dtype=torch.uint8).fill_(1)
     sync()
     t0 = time.perf_counter()
     with open(out / f"plain.rank{rank}", "wb") as f:
-        f.write(memoryview(host.numpy()))
+        for done in range(0, local_bytes, host.numel()):
+            f.write(memoryview(host.numpy())[:min(host.numel(), local_bytes - done)])
     plain_s = all_ranks(time.perf_counter() - t0)
     all_bytes = int(all_ranks(local_bytes, tdist.ReduceOp.SUM))
     del host
@@ -175,7 +194,7 @@ def main() -> int:
             load_s = all_ranks(time.perf_counter() - t0)
         if path is None:
             raise SystemExit(f"variant {name}: DeepSpeed could not load {out / name}")
-        same = all(torch.equal(a.cpu(), b) for a, b in zip(optimizer_tensors(engine), expected))
+        same = [fingerprint(t) for t in optimizer_tensors(engine)] == expected
         if not same:
             raise SystemExit(f"variant {name}: optimizer state read back differs on rank {rank}")
         size = sum(f.stat().st_size for f in (out / name).rglob("*") if f.is_file())
