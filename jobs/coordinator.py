@@ -116,6 +116,8 @@ class Coordinator:
         # iteration -> how many times this coordinator went back to it for checkpoints lost since a durable copy
         self.went_back: dict[int, int] = {}
         self.start_early = False
+        # (it, stage) of early-started stages told the GPUs are free for them (markers.gpus_free_path)
+        self.gpus_noted_free: set[tuple[int, str]] = set()
         self.engines = Engines(cfg, launcher, self.paths)
 
     def run(self) -> None:
@@ -275,6 +277,9 @@ class Coordinator:
         if pipeline.stage(stage).gpu:
             self._join_exiting(before=stage)
         self._start_successors_early(it, stage)
+        light = not pipeline.stage(stage).gpu
+        if light:
+            self._note_gpus_free(it)
         launched = 0.0
         background = (it, stage) in self.background
         first_start = self.background[(it, stage)][2] if background else time.time()
@@ -297,8 +302,16 @@ class Coordinator:
                 if step is None:
                     step = self._start(it, stage, attempt)
                 n = self.launcher.ntasks(stage)
-                result = step.wait(retry.stage_timeout_s, done=lambda: self._all_marked(it, stage, n, inputs, attempt))
+
+                def done() -> bool:
+                    if light:  # the GPU stages before it may be gone by now: tell those waiting for the GPUs
+                        self._note_gpus_free(it)
+                    return self._all_marked(it, stage, n, inputs, attempt)
+
+                result = step.wait(retry.stage_timeout_s, done=done)
                 launched += result.elapsed_s
+                if light:
+                    self._note_gpus_free(it)
                 try:
                     self._check_attempt(it, stage, attempt, inputs, result)
                 except StageFailed as failed:
@@ -480,6 +493,8 @@ class Coordinator:
             if go.exists() or markers.stage_started(self.paths, it2, nxt):
                 continue
             attempt = self.paths.attempts_so_far(it2, nxt) + 1
+            markers.gpus_free_path(self.paths, it2, nxt).unlink(missing_ok=True)
+            self.gpus_noted_free.discard((it2, nxt))
             step = self._start(it2, nxt, attempt, after=(go, self.cfg.tuning.start_early_wait_s))
             self.early[(it2, nxt)] = (step, attempt, go)
             log.info("iteration %d %-8s started early (attempt %d): loading while %s runs", it2, nxt, attempt, stage)
@@ -489,6 +504,24 @@ class Coordinator:
         that killed ranks of an earlier attempt left in the ledger are gone."""
         markers.remove_partial_writes(self.paths, it, stage)
         return self.launcher.start(self.paths, it, stage, attempt, after=after)
+
+    def _note_gpus_free(self, it: int) -> None:
+        """Tell the stages of iteration `it` started early that set up before their turn (the stage
+        table's sets_up_early: train) that they may now: no GPU stage's processes are left and the
+        checkpoint they resume is published. Called while light stages run; never waits."""
+        if not self.cfg.tuning.set_up_early:
+            return
+        waiting = [(stage, attempt) for (it2, stage), (_, attempt, _) in self.early.items()
+                   if it2 == it and pipeline.stage(stage).sets_up_early and (it2, stage) not in self.gpus_noted_free]
+        if not waiting or any(pipeline.stage(s).gpu and step.running() for (_, s), step in self.exiting.items()):
+            return
+        if it > 0 and local_checkpoints.deferred_problem(self.paths, it - 1) is not None:
+            return
+        for stage, attempt in waiting:
+            markers.write_json_atomic(markers.gpus_free_path(self.paths, it, stage),
+                                      {"attempt": attempt, "time": time.time()})
+            self.gpus_noted_free.add((it, stage))
+            log.info("iteration %d %-8s the GPUs are free: it sets up before its turn", it, stage)
 
     def _take_early(self, it: int, stage: str):
         """This stage's step started in the background (running or ended, its first attempt), or

@@ -63,17 +63,45 @@ class TrainRun:
 
 
 def set_up(ctx: StageContext) -> TrainRun:
-    """Process group, models, DeepSpeed engine and resumed state, each start-up phase timed."""
+    """At the turn: the engine set_up_engine built before it (ctx.set_up, where the GPUs were free
+    early) or builds now, then this iteration's train set; each start-up phase timed."""
+    phases = Phases(ctx.start)
+    run = ctx.set_up if ctx.set_up is not None else set_up_engine(ctx, phases)
+    run.phases = phases
+    with phases("read_train_set"):
+        run.rows = read_train_set(ctx)
+    with phases("barrier"):
+        dist.barrier(f"iteration {ctx.iteration} engine ready", ctx.cfg.train.timeout_s)
+    run.watchdog.beat("train")
+    run.startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
+    log.info("engine ready in %.1fs%s: ZeRO stage %s, world %d, %d train rows", run.startup_s,
+             " after the turn (built before it)" if ctx.set_up is not None else "", zero_stage(run.ds_config),
+             ctx.world_size, len(run.rows))
+    return run
+
+
+def set_up_before_turn(ctx: StageContext) -> TrainRun:
+    """A train process started early, once the GPUs are free (generate's processes have exited and
+    the checkpoint it resumes is published): its engine, built while score and gather run. The
+    watchdog rests until the turn, which has its own bound (tuning.start_early_wait_s)."""
+    phases = Phases(time.time())
+    run = set_up_engine(ctx, phases)
+    run.watchdog.rest()
+    ctx.preload_phases.update({f"set_up {k}": v for k, v in phases.seconds.items()})
+    log.info("engine built before the turn in %.1fs", sum(phases.seconds.values()))
+    return run
+
+
+def set_up_engine(ctx: StageContext, phases: Phases) -> TrainRun:
+    """Process group, models, DeepSpeed engine and resumed state: all that does not read the train set."""
     cfg, t = ctx.cfg, ctx.cfg.train
     pool = ctx.preloaded  # host memory for a deferred checkpoint's snapshot, prepared before the turn
     if pool is not None:
         pool.turn_came()
-    phases = Phases(ctx.start)
     with phases("import_deepspeed"):
         import deepspeed
-    with phases("read_train_set"):
+    with phases("devices"):
         set_cpu_threads()
-        rows = read_train_set(ctx)
         device = device_for(ctx.info.local_rank)
         check_graph_device(ctx, device)
         dist.export_torch_env(ctx.info)
@@ -119,13 +147,7 @@ def set_up(ctx: StageContext) -> TrainRun:
         watchdog.beat("resume optimizer state")
         checkpointer = train_checkpoint.for_run(ctx, ds_config, pool)
         checkpointer.resume(engine)
-    with phases("barrier"):
-        dist.barrier(f"iteration {ctx.iteration} engine ready", t.timeout_s)
-    watchdog.beat("train")
-    startup_s = time.time() - ctx.start  # from the stage's start: DeepSpeed's import included
-    log.info("engine ready in %.1fs: ZeRO stage %s, world %d, %d train rows",
-             startup_s, zero_stage(ds_config), ctx.world_size, len(rows))
-    return TrainRun(engine, ref, rows, device, watchdog, phases, startup_s, hf_ds_config, ds_config, checkpointer, norm)
+    return TrainRun(engine, ref, [], device, watchdog, phases, 0.0, hf_ds_config, ds_config, checkpointer, norm)
 
 
 def finish(ctx: StageContext, run: TrainRun, history: list[dict], totals: dict, train_s: float) -> None:
@@ -507,4 +529,4 @@ def _all_reduce_sums(totals: dict, device) -> dict:
 
 if __name__ == "__main__":
     # Every rank redoes train together: a half-finished process group cannot be resumed rank by rank.
-    run_stage("train", main, per_rank_skip=False, preload=preload)
+    run_stage("train", main, per_rank_skip=False, preload=preload, set_up=set_up_before_turn)

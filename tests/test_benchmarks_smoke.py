@@ -126,7 +126,9 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
         for p in path.values():
             assert sum(v for k, v in p.items() if k != "span_s") == pytest.approx(p["span_s"])
             assert p["start"] >= 0 and p["exit"] >= 0 and p["work"] > 0
-        assert path["train"]["model load"] > 0 and path["generate"]["model load"] > 0
+        assert path["generate"]["model load"] > 0
+        # Train's model load is on the critical path, or was done before its turn (tuning.set_up_early).
+        assert path["train"]["model load"] > 0 or it["train_preload"].get("set_up load_models", 0) > 0
 
 
 def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_path):

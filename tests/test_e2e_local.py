@@ -60,8 +60,19 @@ def test_two_iterations_then_everything_skipped(tiny_run):
         # Where its life before the turn went: the interpreter and imports, then preload's parts.
         parts = m["preload_phases"]
         if stage == "train":
-            assert set(parts) == {"imports", "deepspeed", "deepspeed_lazy_modules", "model_code", "rehearsal"}
+            preload = {"imports", "deepspeed", "deepspeed_lazy_modules", "model_code", "rehearsal"}
+            # tuning.set_up_early: once generate's processes had exited (the coordinator's note), the
+            # engine was built before the turn if the preload was done by then; the turn only read the
+            # train set.
+            set_up = {"waited_for_gpus", *(f"set_up {k}" for k in ("import_deepspeed", "devices", "process_group",
+                                                                    "load_models", "deepspeed_initialize",
+                                                                    "resume_checkpoint"))}
+            assert set(parts) in (preload, preload | set_up), parts
+            assert set(m["startup_phases"]) == ({"read_train_set", "barrier"} if set_up <= set(parts) else
+                                  {"import_deepspeed", "devices", "process_group", "load_models",
+                                   "deepspeed_initialize", "resume_checkpoint", "read_train_set", "barrier"})
             assert sum(parts.values()) == pytest.approx(m["import_s"], abs=1.0), (parts, m["import_s"])
+            assert json.loads(markers_note(run, it).read_text())["attempt"] == 1
         assert parts["imports"] > 0
     assert "iteration 0 train    started early (attempt 1): loading while generate runs" in proc.stderr
     assert "iteration 1 train    started early (attempt 1): loading while train runs" in proc.stderr
@@ -89,6 +100,11 @@ def test_two_iterations_then_everything_skipped(tiny_run):
     status = syncrl("status", str(run))
     assert status.returncode == 0 and "12/12 stages done" in status.stdout
     check_observability(run)
+
+
+def markers_note(run, it):
+    """The coordinator's note that the GPUs were free for train of iteration `it` (before its turn)."""
+    return run / f"iter_{it:05d}" / "markers" / "gpus_free_for_train.json"
 
 
 # What every iteration must report (metrics.jsonl and W&B), whatever the stage that measured it.

@@ -88,6 +88,90 @@ def test_an_early_step_that_gave_up_waiting_is_started_afresh_and_one_that_faile
     waiting.cancel()
 
 
+def test_train_started_early_is_told_the_gpus_are_free_once_no_gpu_stage_is_left(tmp_path):
+    # jobs/coordinator.py _note_gpus_free, called while the light stages run: train of the iteration,
+    # started early, may set up on the GPUs once generate's processes have exited and the checkpoint it
+    # resumes is published; the note names the attempt it is for.
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from jobs.coordinator import Coordinator
+    from jobs.launchers import LocalStep
+    from stages.runtime import markers
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false"])
+    coord = Coordinator(cfg, LocalLauncher(2))
+    paths = RunPaths(tmp_path)
+    for it in (0, 1):
+        paths.markers(it).mkdir(parents=True)
+    note = markers.gpus_free_path(paths, 1, "train")
+    exiting = LocalStep({0: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])})
+    coord.early = {(1, "train"): (None, 3, None), (1, "generate"): (None, 1, None), (2, "train"): (None, 1, None)}
+    coord.exiting = {(1, "generate"): exiting}
+    # Train 0 wrote its checkpoint after its marker, and it is not there yet.
+    markers.write_json_atomic(markers.marker_path(paths, 0, "train"), {"deferred_checkpoint": {"id": "abc"}})
+    coord._note_gpus_free(1)
+    assert not note.exists()  # generate's process is still exiting
+    exiting.wait(10)
+    coord._note_gpus_free(1)
+    assert not note.exists()  # the checkpoint train 1 resumes is not published
+    markers.write_json_atomic(markers.marker_path(paths, 0, "train"), {})
+    coord._note_gpus_free(1)
+    assert json.loads(note.read_text())["attempt"] == 3  # the early attempt's
+    # Only for train (generate does not set up early) of this iteration.
+    assert sorted(p.name for p in paths.markers(1).glob("gpus_free_for_*")) == ["gpus_free_for_train.json"]
+    assert not paths.markers(2).exists()
+    # tuning.set_up_early=false: no note.
+    off = Coordinator(load_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false", "tuning.set_up_early=false"]),
+                      LocalLauncher(2))
+    off.early = {(0, "train"): (None, 1, None)}
+    off._note_gpus_free(0)
+    assert not markers.gpus_free_path(paths, 0, "train").exists()
+
+
+def test_a_process_started_early_sets_up_before_its_turn_once_the_gpus_are_free_for_its_attempt(tmp_path):
+    # stages/runtime/stage.py wait_for_turn with set_up: a note for another attempt is not this one's;
+    # once its own comes, set_up runs before the turn, as the attempt's (a failure in it is recorded);
+    # where the turn comes first, set_up is left to the turn.
+    import threading
+    import time
+
+    from stages.runtime import markers
+    from stages.runtime.stage import StageContext, wait_for_turn
+
+    paths = RunPaths(tmp_path)
+    paths.markers(1).mkdir(parents=True)
+    note, turn = markers.gpus_free_path(paths, 1, "train"), paths.markers(1) / "gather.done"
+    markers.write_json_atomic(note, {"attempt": 1})
+    ctx = StageContext(stage="train", iteration=1, cfg=None, paths=paths, info=None, attempt=2, config_hash="",
+                       inputs="", waiting=True)
+    seen = []
+
+    def set_up(c):
+        seen.append((c.turn_came(), c.waiting))
+        return "engine"
+
+    def later():
+        time.sleep(0.5)
+        assert not seen  # the stale note (attempt 1) did not start it
+        markers.write_json_atomic(note, {"attempt": 2})
+        time.sleep(0.5)
+        turn.write_text("{}")
+
+    threading.Thread(target=later).start()
+    assert wait_for_turn(ctx, str(turn), timeout_s=10, preload=None, set_up=set_up) is not None
+    assert seen == [(False, False)] and ctx.set_up == "engine"
+    assert ctx.preload_phases["waited_for_gpus"] >= 0.4
+
+    # The turn already there: nothing before it, whatever the note says.
+    late = StageContext(stage="train", iteration=1, cfg=None, paths=paths, info=None, attempt=2, config_hash="",
+                        inputs="", waiting=True)
+    assert wait_for_turn(late, str(turn), timeout_s=10, preload=None, set_up=set_up) is not None
+    assert len(seen) == 1 and late.set_up is None and late.waiting
+
+
 def _procs(*scripts):
     import subprocess
     import sys

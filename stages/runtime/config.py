@@ -420,6 +420,10 @@ class TuningConfig:
     checkpoint_write_threads: int = 8
     # A stage started early (start_early) waits at most this long (s) for the previous stage's marker.
     start_early_wait_s: int = 21600
+    # Train, started early, builds its engine and resumes its checkpoint before its turn, as soon as
+    # generate's processes have exited and that checkpoint is published: while score and gather run.
+    # At its turn it only reads the train set. Off: it does all of that at its turn.
+    set_up_early: bool = True
     # A stage is done once every rank's marker is in; processes still exiting then (closing NCCL
     # groups, CUDA contexts) get this long (s), from when the next stage on the GPUs is due, to be gone.
     exit_grace_s: float = 60.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import time
@@ -258,6 +259,10 @@ class ProgressWatchdog:
         self.last = self._time()
         if phase:
             self.phase = phase
+
+    def rest(self) -> None:
+        """No limit until the next beat: for a wait that has a bound of its own."""
+        self.last = math.inf
 
     def stop(self) -> None:
         self._stop.set()

@@ -100,6 +100,13 @@ def marker_path(paths: RunPaths, it: int, stage: str, rank: int | None = None) -
     return paths.markers(it) / marker_name(stage, rank)
 
 
+def gpus_free_path(paths: RunPaths, it: int, stage: str) -> Path:
+    """The coordinator's note to `stage` of iteration `it`, started early, that the GPU stages before
+    it have exited and what it resumes from is published: it may set up on the GPUs before its turn
+    (pipeline.Stage.sets_up_early). Not named `stage.*`: it is no trace of the stage having run."""
+    return paths.markers(it) / f"gpus_free_for_{stage}.json"
+
+
 def stage_started(paths: RunPaths, it: int, stage: str) -> bool:
     """Whether `stage` of iteration `it` has left anything in the ledger (a marker, state or record)."""
     return any(paths.markers(it).glob(f"{stage}.*"))

@@ -45,6 +45,9 @@ class Stage:
     # Runs on the accelerators: the processes of stages before it that wrote their markers but had
     # not yet exited (and so may still hold GPU memory) are waited for before it starts.
     gpu: bool = False
+    # Started early, it sets up on the GPUs (process group, models, resumed state) as soon as the
+    # coordinator notes them free (markers.gpus_free_path), while the light stages before its turn run.
+    sets_up_early: bool = False
     # A background stage starts at its turn and runs beside the stages after it; it must be done
     # before `done_before` = (stage, ahead) of iteration I + ahead starts, and before the run ends.
     done_before: tuple[str, int] | None = None
@@ -56,7 +59,8 @@ class Stage:
 # Score and gather start in well under a second: not worth starting early. Train starts when the
 # previous train starts, so that its imports have a whole train, save, generate, score and gather
 # to hide behind (started at save, they outlasted the light stages and its turn waited for them);
-# in iteration 0, at generate. It builds nothing on the GPU before its turn. Save starts with
+# in iteration 0, at generate. Once generate's processes have exited it builds its engine and
+# resumes while score and gather run (sets_up_early), and only reads the train set at its turn. Save starts with
 # generate: started with train, its imports competed with the next generate's and train's and ran
 # past its turn. The next generate starts with this generate, for the same reason: started with
 # train, its imports shared the host with the next train's and the update.
@@ -66,7 +70,7 @@ PIPELINE = (
                         EarlyStart(1, "generate", "save", 0))),
     Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
     Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
-    Stage("train", every_rank=True, gpu=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
+    Stage("train", every_rank=True, gpu=True, sets_up_early=True, reads=(("gather", 0), ("save", -1)), needs=(Need("gather", "stage"),),
           starts_early=(EarlyStart(1, "train", "gather", 1),)),
     Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),)),
     Stage("persist", every_rank=False, every_node=True, reads=(("train", 0),), needs=(Need("train", "stage"),),

@@ -42,10 +42,12 @@ class StageContext:
     summary: str = ""
     waited_s: float = 0.0  # a process started early: time spent waiting for the previous stage
     late_s: float = 0.0  # a process started early that was still preloading when its turn came: by how much
-    # A process started early, until its turn: it has not read the previous stage's outputs, and a
-    # failure now is not an attempt's (the coordinator starts the stage afresh).
+    # A process started early, until its turn (or until it sets up before it): it has not read the
+    # previous stage's outputs, and a failure now is not an attempt's (the coordinator starts the
+    # stage afresh).
     waiting: bool = False
     preloaded: object = None  # what preload(ctx) returned, for main (None when not started early)
+    set_up: object = None  # what set_up(ctx) built before the turn (run_stage's set_up), for main
     # A process started early: seconds from its creation to preload (interpreter and imports), then
     # the parts preload names; they add up to its import_s unless it waited.
     preload_phases: dict = field(default_factory=dict)
@@ -123,9 +125,10 @@ def _process_created() -> float:
     return psutil.Process().create_time()
 
 
-def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> float | None:
-    """Run preload(ctx) (its result kept in ctx.preloaded), then wait for `after`; returns the
-    seconds waited, or None on giving up."""
+def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_up=None) -> float | None:
+    """Run preload(ctx) (its result kept in ctx.preloaded); with set_up, once the coordinator notes
+    the GPUs free for this attempt (markers.gpus_free_path) and the turn has not come, run set_up(ctx)
+    (kept in ctx.set_up); then wait for `after`. Returns the seconds waited, or None on giving up."""
     t0 = time.time()
     ctx.preload_phases["imports"] = round(max(0.0, t0 - _process_created()), 3)
     ctx.turn = after
@@ -133,6 +136,17 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> f
         ctx.preloaded = preload(ctx)
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
              time.time() - t0, after)
+    if set_up is not None:
+        free = markers.gpus_free_path(ctx.paths, ctx.iteration, ctx.stage)
+        t_free = time.time()
+        while not ctx.turn_came() and not _gpus_free(free, ctx.attempt) and time.time() < t_free + timeout_s:
+            time.sleep(0.05)
+        if not ctx.turn_came() and _gpus_free(free, ctx.attempt):
+            ctx.preload_phases["waited_for_gpus"] = round(time.time() - t_free, 3)
+            log.info("the GPUs are free (%s): setting up before the turn", free.name)
+            # What fails from here on fails this attempt: the failure is recorded as its own.
+            ctx.waiting = False
+            ctx.set_up = set_up(ctx)
     t1 = time.time()
     if os.path.exists(after):  # the turn came while preloading: the stage's start-up is that late
         ctx.late_s = max(0.0, t1 - os.path.getmtime(after))
@@ -144,6 +158,15 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload) -> f
             return None
         time.sleep(0.05)
     return time.time() - t1
+
+
+def _gpus_free(path: Path, attempt: int) -> bool:
+    """The coordinator's note that the GPUs are free is there, and for this attempt (a note left by an
+    attempt that was stopped is not this one's)."""
+    try:
+        return markers.read_json(path).get("attempt") == attempt
+    except (OSError, ValueError):
+        return False
 
 
 def base_model_id(cfg: RunConfig) -> str:
@@ -212,12 +235,13 @@ def write_failure_record(ctx: StageContext, exc: BaseException) -> None:
 EXIT_GAVE_UP_WAITING = 75
 
 
-def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=None) -> None:
+def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=None, set_up=None) -> None:
     """Parse, skip if done, set up logging, run `main(ctx)`, exit. Never returns.
 
     With --after FILE the process was started early: it runs `preload(ctx)` (the imports and model
-    code the stage will need; what it returns, main finds in ctx.preloaded), then waits for FILE
-    (the previous stage's marker) before it reads anything that stage writes.
+    code the stage will need; what it returns, main finds in ctx.preloaded), then, given `set_up` and
+    once the coordinator notes the GPUs free, `set_up(ctx)` (what main finds in ctx.set_up), then
+    waits for FILE (the previous stage's marker) before it reads anything that stage writes.
     """
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=main.__doc__)
     parser.add_argument("--run-dir", required=True, help="the run directory (holds config.yaml)")
@@ -231,7 +255,7 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
         if args.after:
             setup_logging(dist_info().tag)
             ctx = make_context(stage, args.run_dir, args.iteration, args.overrides, waiting=True)
-            waited = wait_for_turn(ctx, args.after, args.after_timeout, preload)
+            waited = wait_for_turn(ctx, args.after, args.after_timeout, preload, set_up)
             if waited is None:
                 sys.exit(EXIT_GAVE_UP_WAITING)
             ctx.inputs = ctx.fingerprint_inputs()

@@ -381,7 +381,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
                                                    for r in per_it), f"  ({ckpt_bytes / 1e9:.2f} GB per checkpoint)")
     phases = list(dict.fromkeys(k for r in per_it for k in r["train_phases"]))  # as the markers list them
     if phases:
-        print("  train start-up phases (s, slowest rank):")
+        print("  train start-up phases, from its turn (s, slowest rank):")
         for k in phases:
             print(f"    {k:<22}", "  ".join(f"{r['train_phases'].get(k, 0.0):>9.1f}" for r in per_it))
     preload = list(dict.fromkeys(k for r in per_it for k in r["train_preload"]))  # as the markers list them
