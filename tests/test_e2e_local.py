@@ -181,6 +181,54 @@ def test_killed_during_train_resumes_without_redoing_completed_stages(tmp_path):
     assert len(offline) == 2 and all(p.name.endswith(run_id) for p in offline), offline
 
 
+GATED_REWARD = """
+import os, time
+
+
+def reward(completion, row, cfg):
+    # Holds score until the test opens the gate (bounded), so that train's early set-up comes first.
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.environ["SYNCRL_TEST_SCORE_GATE"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return float(len(completion) % 2)
+"""
+
+
+def test_a_train_rank_killed_while_setting_up_before_its_turn_costs_that_attempt_only(tmp_path):
+    # tuning.set_up_early: train's processes build their engine while score runs (held here by a
+    # reward function that waits for a file). Rank 1 is killed then: the attempt fails with rank 1
+    # named, a fresh attempt runs at the turn, and nothing done before is redone.
+    import os
+
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "gated_rewards.py").write_text(GATED_REWARD)
+    gate, run = tmp_path / "gate", tmp_path / "run"
+    env = {**os.environ, "SYNCRL_TEST_SCORE_GATE": str(gate),
+           "PYTHONPATH": os.pathsep.join([str(plugins), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/local_tiny.yaml", f"run_dir={run}", "iterations=1",
+           *SMALL, "score.reward_fn=gated_rewards:reward", "retry.backoff_s=0.5"]
+    out = open(tmp_path / "coordinator.log", "w")
+    coord = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    log = run / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
+    deadline = time.monotonic() + 400
+    while not (log.is_file() and (m := re.search(r"setting up before the turn \(pid=(\d+)\)", log.read_text()))):
+        assert coord.poll() is None, (tmp_path / "coordinator.log").read_text()
+        assert time.monotonic() < deadline, "train never set up before its turn"
+        time.sleep(0.05)
+    os.kill(int(m[1]), signal.SIGKILL)
+    assert not (run / "iter_00000" / "markers" / "score.done").exists()  # still before the turn
+    gate.touch()
+    assert coord.wait(600) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    text = (tmp_path / "coordinator.log").read_text()
+    assert "iteration 0 train    the GPUs are free: it sets up before its turn" in text
+    assert re.search(r"iteration 0 train attempt 1 failed on rank\(s\) (0,)?1\b", text), text[-3000:]
+    assert json.loads((run / "iter_00000" / "markers" / "train.done").read_text())["attempt"] == 2
+    for stage in ("generate", "score", "gather"):
+        assert not (run / "logs" / "iter_00000" / stage / "attempt_2").exists(), stage
+    assert (run / "models" / "iter_00000" / "model.safetensors").is_file()
+
+
 def _wait_for_rank_exit(run, timeout=30):
     """The killed coordinator's ranks get SIGTERM from the kernel (parent-death signal); wait for them."""
     deadline = time.monotonic() + timeout
