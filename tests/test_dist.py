@@ -23,6 +23,8 @@ def test_progress_watchdog_ends_a_stuck_process(tmp_path):
             "from stages.runtime.dist import ProgressWatchdog\n"
             "w = ProgressWatchdog(0.5, lambda msg: open(r'%s', 'w').write(msg))\n"
             "for _ in range(5):\n    time.sleep(0.2)\n    w.beat('stepping')\n"
+            "w.rest()\n"  # a wait with a bound of its own (train's, for its turn): no limit meanwhile
+            "time.sleep(1.5)\n"
             "w.beat('waiting for a peer')\n"
             "time.sleep(60)\n") % (tmp_path / "record")
     t0 = __import__("time").monotonic()
