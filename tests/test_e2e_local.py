@@ -212,7 +212,7 @@ def test_a_train_rank_killed_while_setting_up_before_its_turn_costs_that_attempt
     coord = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     log = run / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
     deadline = time.monotonic() + 400
-    while not (log.is_file() and (m := re.search(r"setting up before the turn \(pid=(\d+)\)", log.read_text()))):
+    while not (log.is_file() and (m := re.search(r"setting up before the turn \(process (\d+)\)", log.read_text()))):
         assert coord.poll() is None, (tmp_path / "coordinator.log").read_text()
         assert time.monotonic() < deadline, "train never set up before its turn"
         time.sleep(0.05)

@@ -143,7 +143,7 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_
             time.sleep(0.05)
         if not ctx.turn_came() and _gpus_free(free, ctx.attempt):
             ctx.preload_phases["waited_for_gpus"] = round(time.time() - t_free, 3)
-            log.info("the GPUs are free (%s): setting up before the turn (pid=%d)", free.name, os.getpid())
+            log.info("the GPUs are free (%s): setting up before the turn (process %d)", free.name, os.getpid())
             # What fails from here on fails this attempt: the failure is recorded as its own.
             ctx.waiting = False
             ctx.set_up = set_up(ctx)

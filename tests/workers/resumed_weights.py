@@ -45,4 +45,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from stages.runtime.stage import exit_now
+
+    # As a stage ends: without the interpreter's teardown, where the engine's threads (ZeRO-3's) may
+    # still be torn down and abort the process after its work is done.
+    exit_now(main())
