@@ -233,8 +233,11 @@ def preload(ctx: StageContext) -> deferred_checkpoint.HostPool | None:
     pool = deferred_checkpoint.prepare_pool(ctx)
     with phases("model_code"):
         config, ds_config = preload_model_code(ctx), deepspeed_config(ctx, warn=False)  # set-up warns
-    if ctx.turn_came():  # the rehearsal only saves time, less than it takes: not once the stage is late
-        log.info("no rehearsal of a micro-step: the turn came while preloading")
+    # The rehearsal only saves time, less than it takes: not once the stage is late, nor once the GPUs
+    # are free for the engine's set-up before the turn (which then saves more).
+    if ctx.turn_came() or ctx.gpus_free():
+        log.info("no rehearsal of a micro-step: %s while preloading",
+                 "the turn came" if ctx.turn_came() else "the GPUs came free for the set-up")
         phases.seconds["rehearsal"] = 0.0
     else:
         with phases("rehearsal"):

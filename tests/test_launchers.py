@@ -153,16 +153,19 @@ def test_a_process_started_early_sets_up_before_its_turn_once_the_gpus_are_free_
         seen.append((c.turn_came(), c.waiting))
         return "engine"
 
+    before_own_note = []
+
     def later():
         time.sleep(0.5)
-        assert not seen  # the stale note (attempt 1) did not start it
+        before_own_note.append((list(seen), ctx.gpus_free()))
         markers.write_json_atomic(note, {"attempt": 2})
         time.sleep(0.5)
         turn.write_text("{}")
 
     threading.Thread(target=later).start()
     assert wait_for_turn(ctx, str(turn), timeout_s=10, preload=None, set_up=set_up) is not None
-    assert seen == [(False, False)] and ctx.set_up == "engine"
+    assert before_own_note == [([], False)]  # the stale note (attempt 1) is not this attempt's
+    assert seen == [(False, False)] and ctx.set_up == "engine" and ctx.gpus_free()
     assert ctx.preload_phases["waited_for_gpus"] >= 0.4
 
     # The turn already there: nothing before it, whatever the note says.

@@ -58,6 +58,16 @@ class StageContext:
         saves time may then be skipped); True for a process started at its turn."""
         return self.turn is None or os.path.exists(self.turn)
 
+    def gpus_free(self) -> bool:
+        """Whether the coordinator has noted the GPUs free for this attempt (markers.gpus_free_path):
+        a process started early may then set up before its turn (a note left for an attempt that was
+        stopped is not this one's)."""
+        try:
+            note = markers.read_json(markers.gpus_free_path(self.paths, self.iteration, self.stage))
+        except (OSError, ValueError):
+            return False
+        return note.get("attempt") == self.attempt
+
     def summarize(self, fmt: str, *args) -> None:
         """The stage's one-line result: logged here, and by the coordinator from the marker."""
         self.summary = fmt % args
@@ -137,13 +147,12 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
              time.time() - t0, after)
     if set_up is not None:
-        free = markers.gpus_free_path(ctx.paths, ctx.iteration, ctx.stage)
         t_free = time.time()
-        while not ctx.turn_came() and not _gpus_free(free, ctx.attempt) and time.time() < t_free + timeout_s:
+        while not ctx.turn_came() and not ctx.gpus_free() and time.time() < t_free + timeout_s:
             time.sleep(0.05)
-        if not ctx.turn_came() and _gpus_free(free, ctx.attempt):
+        if not ctx.turn_came() and ctx.gpus_free():
             ctx.preload_phases["waited_for_gpus"] = round(time.time() - t_free, 3)
-            log.info("the GPUs are free (%s): setting up before the turn (process %d)", free.name, os.getpid())
+            log.info("the GPUs are free: setting up before the turn (process %d)", os.getpid())
             # What fails from here on fails this attempt: the failure is recorded as its own.
             ctx.waiting = False
             ctx.set_up = set_up(ctx)
@@ -158,15 +167,6 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_
             return None
         time.sleep(0.05)
     return time.time() - t1
-
-
-def _gpus_free(path: Path, attempt: int) -> bool:
-    """The coordinator's note that the GPUs are free is there, and for this attempt (a note left by an
-    attempt that was stopped is not this one's)."""
-    try:
-        return markers.read_json(path).get("attempt") == attempt
-    except (OSError, ValueError):
-        return False
 
 
 def base_model_id(cfg: RunConfig) -> str:
