@@ -97,6 +97,8 @@ def set_up_engine(ctx: StageContext, phases: Phases) -> TrainRun:
     cfg, t = ctx.cfg, ctx.cfg.train
     pool = ctx.preloaded  # host memory for a deferred checkpoint's snapshot, prepared before the turn
     if pool is not None:
+        # At the turn, or before it once the GPUs are free: either way the previous train's marker,
+        # and so the layout the pool waits for, is in.
         pool.turn_came()
     with phases("import_deepspeed"):
         import deepspeed

@@ -428,10 +428,10 @@ def critical_path(run_dir: Path, it: int, m: dict) -> dict:
     """Where each second of the iteration went, stage by stage: from the stage's turn (the previous
     stage's marker; generate's own start) to its marker, the slowest rank's parts. start: its
     process's launch and imports, or for one started early, how late it saw its turn (its preload, or
-    train's set-up before the turn, running past it); exit: from the
-    last rank's marker to the stage's; other: the rest of the span (reading inputs, writing outputs;
-    below zero where a process started early saw its turn before the coordinator did). The stages'
-    spans add up to the iteration (generate's turn to save's marker)."""
+    train's set-up before the turn, running past it); exit: from the last rank's marker to the
+    stage's; other: the rest of the span (reading inputs, writing outputs; below zero where a process
+    started early saw its turn before the coordinator did). The stages' spans add up to the iteration
+    (generate's turn to save's marker)."""
     out = {}
     turn = m["generate"]["start"]
     for stage in CRITICAL_STAGES:
