@@ -168,6 +168,34 @@ def job_log(out_dir: Path, job_id: str) -> str:
     return log.read_text() if log.is_file() else ""
 
 
+def wait_in_job(job_id: str, out_dir: Path, predicate, timeout: float, what: str, interval: float = 0.1):
+    """wait_for, for something a running job must bring about: fails at once if the job ends first,
+    and either way the failure carries the job's log and its run's rank logs (a CI run keeps no files)."""
+    deadline, next_poll = time.monotonic() + timeout, 0.0
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= next_poll:  # scontrol twice a second at most (see wait_finished)
+            if (state := finished(job_id)) is not None:
+                value = predicate()  # it may have come about just before the end
+                if value:
+                    return value
+                raise AssertionError(f"job {job_id} ended {state} before {what}\n{job_story(out_dir, job_id)}")
+            next_poll = time.monotonic() + 0.5
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{job_story(out_dir, job_id)}")
+
+
+def job_story(out_dir: Path, job_id: str, lines: int = 40) -> str:
+    """The job's log and the last lines of each rank log under the run dirs in out_dir."""
+    parts = [f"--- job {job_id} ({job_state(job_id)}), its log's last {lines} lines:",
+             _tail(job_log(out_dir, job_id), lines)]
+    for log in sorted(out_dir.glob("*/logs/iter_*/*/attempt_*/rank_*.log")):
+        parts += [f"--- {log.relative_to(out_dir)}:", _tail(log.read_text(errors="replace"), 12)]
+    return "\n".join(parts)
+
+
 def rank_pid(log: Path) -> int | None:
     """The pid a stage rank logs on its first line."""
     m = re.search(r"pid=(\d+)", log.read_text()) if log.is_file() else None

@@ -21,7 +21,8 @@ import pytest
 
 from stages.runtime.paths import STAGES
 from tests.conftest import PLAIN_CHECKPOINT_RUN
-from tests.slurm_fixture import SMALL_RUN, job_log, job_state, rank_pid, run, sbatch, wait_finished, wait_for
+from tests.slurm_fixture import (SMALL_RUN, job_log, job_state, rank_pid, run, sbatch, wait_finished, wait_for,
+                                 wait_in_job)
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 600
@@ -103,7 +104,7 @@ def test_a_generate_rank_that_exits_and_a_hung_train_rank_are_retried(reference_
     run_dir = tmp_path / "run"
     job = sbatch_run(tmp_path, run_dir, "train.timeout_s=20")
     log = run_dir / "logs" / "iter_00000" / "generate" / "attempt_1" / "rank_00001.log"
-    pid = wait_for(lambda: rank_pid(log), 300, "generate rank 1 to start", interval=0.02)
+    pid = wait_in_job(job, tmp_path, lambda: rank_pid(log), 300, "generate rank 1 to start", interval=0.02)
     os.kill(pid, signal.SIGTERM)  # the rank exits non-zero (143)
     t_fault = time.time()
     attempt2 = run_dir / "logs" / "iter_00000" / "generate" / "attempt_2"
@@ -113,8 +114,8 @@ def test_a_generate_rank_that_exits_and_a_hung_train_rank_are_retried(reference_
     report("generate rank exits non-zero", detect, time.time() - t_fault)
 
     log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
-    wait_for(lambda: log.is_file() and "barrier 'iteration 0 engine ready'" in log.read_text(), 300,
-             "train rank 1 to reach its first barrier", interval=0.01)
+    wait_in_job(job, tmp_path, lambda: log.is_file() and "barrier 'iteration 0 engine ready'" in log.read_text(), 300,
+                "train rank 1 to reach its first barrier", interval=0.01)
     os.kill(rank_pid(log), signal.SIGSTOP)  # hangs: alive, holding its sockets, never answering
     t_fault = time.time()
     attempt2 = run_dir / "logs" / "iter_00000" / "train" / "attempt_2"
@@ -157,8 +158,10 @@ def test_usr2_before_time_limit_requeues_and_resumes(reference_run, tmp_path):
 def test_coordinator_killed_and_restarted(reference_run, tmp_path):
     run_dir = tmp_path / "run"
     job = sbatch_run(tmp_path, run_dir)
-    train_log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00000.log"
-    wait_for(lambda: rank_pid(train_log), 300, "train to start", interval=0.05)
+    # Train is running once the coordinator says so (an attempt that failed while it set up before its
+    # turn leaves the next one running instead).
+    wait_in_job(job, tmp_path, lambda: re.search(r"iteration 0 train\s+(started early:|launching) attempt",
+                                                 job_log(tmp_path, job)), 300, "train to start", interval=0.05)
     before = done_markers(run_dir)
     run(["scancel", job], timeout=30)  # the whole job, coordinator included, goes away mid-train
     t_fault = time.time()
@@ -415,7 +418,7 @@ def test_node_lost_during_a_step(reference_run, tmp_path):
     run_dir = tmp_path / "run"
     job = sbatch_run(tmp_path, run_dir)
     log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
-    wait_for(lambda: rank_pid(log), 300, "train rank 1 (on n2) to start", interval=0.05)
+    wait_in_job(job, tmp_path, lambda: rank_pid(log), 300, "train rank 1 (on n2) to start", interval=0.05)
     before = done_markers(run_dir)
     cluster = ["bash", str(ROOT / "slurm" / "local_cluster.sh")]
     try:

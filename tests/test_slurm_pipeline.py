@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from stages.runtime.paths import STAGES
-from tests.slurm_fixture import SMALL_RUN, job_log, job_state, rank_pid, run, sbatch, wait_finished, wait_for
+from tests.slurm_fixture import (SMALL_RUN, job_log, job_state, rank_pid, run, sbatch, wait_finished, wait_for,
+                                 wait_in_job)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -67,7 +68,7 @@ def test_sbatch_two_nodes_with_retry_tail_and_rerun(slurm_cluster, tmp_path):
 
     # Fault: SIGKILL train rank 1 (on n2) of iteration 0 as soon as it has started.
     victim_log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
-    pid = wait_for(lambda: rank_pid(victim_log), 300, "train rank 1 to start", interval=0.05)
+    pid = wait_in_job(job, tmp_path, lambda: rank_pid(victim_log), 300, "train rank 1 to start", interval=0.05)
     os.kill(pid, signal.SIGKILL)
     t_fault = time.time()
     wait_for((run_dir / "logs" / "iter_00000" / "train" / "attempt_2").is_dir, 120, "the retry", interval=0.05)
