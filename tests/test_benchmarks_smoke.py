@@ -194,3 +194,29 @@ def test_vllm_engine_benchmark_runs_its_cycles_against_the_standin(tmp_path):
     figures = json.loads((tmp_path / "e.json").read_text())
     assert figures["startup"]["weights_s"] == 0.25 and len(figures["cycles"]) == 2
     assert all(c["reload_s"] > 0 and c["new_tokens"] > 0 for c in figures["cycles"])
+
+
+def test_compare_trees_runs_the_command_in_each_revision_in_turn(tmp_path):
+    """Each run imports its own tree's code (not the checkout's), the order turns round every other
+    round, and a run past its timeout is stopped and reported while the rest go on."""
+    trees = tmp_path / "trees"
+    out = run(["tests/benchmarks/compare_trees.py", "archive", "--out", str(trees), "old=HEAD", "new=HEAD"])
+    assert "old: HEAD" in out and "new: HEAD" in out and (trees / "new" / "stages" / "train.py").is_file()
+    probe = "import stages, time; print('imported from', stages.__file__); time.sleep(float('{name}' == 'slow'))"
+    out = run(["tests/benchmarks/compare_trees.py", "run", "--trees", str(trees / "old"), str(trees / "new"),
+               "--rounds", "2", "--logs", str(tmp_path / "logs"), "--grep", "imported from", "--",
+               sys.executable, "-c", probe])
+    heads = re.findall(r"^## (\w+), round (\d):", out, re.M)
+    assert heads == [("old", "0"), ("new", "0"), ("new", "1"), ("old", "1")], out
+    for name in ("old", "new"):
+        assert out.count(f"imported from {trees / name / 'stages' / '__init__.py'}") == 2, out
+    assert (tmp_path / "logs" / "new_round1.log").is_file()
+
+    (trees / "old").rename(trees / "slow")
+    proc = subprocess.run([sys.executable, "tests/benchmarks/compare_trees.py", "run", "--trees", str(trees / "slow"),
+                           str(trees / "new"), "--timeout", "5", "--logs", str(tmp_path / "logs"), "--",
+                           sys.executable, "-c", probe.replace("float(", "60 * float(")],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"## slow, round 0: [\d.]+s, timed out", proc.stdout), proc.stdout
+    assert re.search(r"## new, round 0: [\d.]+s, exit 0", proc.stdout), proc.stdout
