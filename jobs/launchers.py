@@ -217,10 +217,7 @@ def free_port() -> int:
     (ip_local_port_range): the ranks bind it only when they join their process group, a minute later
     for a stage started early, and a port of that range may have been handed to another connection
     by then (EADDRINUSE)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
+    low = ephemeral_ports()[0]
     if low >= 2048:
         for port in random.sample(range(max(1024, low - 12000), low), 50):
             with socket.socket() as s:
@@ -240,7 +237,8 @@ class SrunLauncher:
     Multi-rank stages get `slurm.tasks_per_node` tasks on each node (generate and score one per
     `generate.gpus_per_process` of them); persist one task per node; gather and save one task.
     MASTER_ADDR is the first host of the step's nodes; MASTER_PORT is derived from the job id,
-    iteration and attempt, so a retried train step never meets the previous attempt's rendezvous.
+    iteration and attempt, so a retried train step never meets the previous attempt's rendezvous,
+    and lies outside the ephemeral port range (derived_port).
     """
 
     name = "srun"
@@ -404,10 +402,30 @@ def _task_ids(spec: str) -> list[int]:
     return ids
 
 
-def derived_port(job_id: str, iteration: int, attempt: int, stage: str) -> int:
-    """A port in 20000-59999 that differs between jobs, iterations, attempts and stages."""
+def derived_port(job_id: str, iteration: int, attempt: int, stage: str,
+                 ephemeral: tuple[int, int] | None = None) -> int:
+    """A port that differs between jobs, iterations, attempts and stages, outside the node's ephemeral
+    range (`ephemeral`, else this node's): the kernel gives the local ports of outgoing connections
+    from that range, and one in use there fails the rendezvous's bind, and so the attempt."""
+    first, last = ephemeral or ephemeral_ports()
+    if first - 20000 >= 4096:
+        lo, size = 20000, first - 20000
+    elif 65535 - last >= 4096:
+        lo, size = last + 1, 65535 - last
+    else:  # no room outside it: anywhere, as before
+        lo, size = 20000, 40000
     key = f"{job_id}:{iteration}:{attempt}:{stage}".encode()
-    return 20000 + int.from_bytes(hashlib.sha256(key).digest()[:4], "little") % 40000
+    return lo + int.from_bytes(hashlib.sha256(key).digest()[:4], "little") % size
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """This node's range for the local ports of outgoing connections (Linux's default elsewhere);
+    the nodes of one cluster share it."""
+    try:
+        first, last = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(first), int(last)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -95,7 +95,6 @@ def test_train_started_early_is_told_the_gpus_are_free_once_no_gpu_stage_is_left
     import json
     import subprocess
     import sys
-    import time
 
     from jobs.coordinator import Coordinator
     from jobs.launchers import LocalStep
@@ -246,3 +245,20 @@ def test_the_local_master_port_is_outside_the_kernels_ephemeral_range():
     assert all(port < low for port in ports) and len(ports) > 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_the_srun_master_port_is_outside_the_nodes_ephemeral_range():
+    # The same hazard on a cluster: the port every rank of an srun step derives from the job, the
+    # iteration, the attempt and the stage must not be one the kernel hands to outgoing connections.
+    from jobs.launchers import derived_port, ephemeral_ports
+
+    keys = [(str(job), it, attempt, stage) for job in (7, 123456) for it in range(20) for attempt in (1, 2)
+            for stage in ("generate", "train", "save")]
+    low, high = ephemeral_ports()
+    here = [derived_port(*key) for key in keys]
+    assert all(20000 <= p < low or high < p <= 65535 for p in here) and len(set(here)) > len(keys) * 0.9
+    assert here == [derived_port(*key) for key in keys]  # every rank of a step derives the same one
+    assert all(20000 <= derived_port(*k, ephemeral=(32768, 60999)) < 32768 for k in keys)
+    assert all(40000 < derived_port(*k, ephemeral=(1024, 40000)) <= 65535 for k in keys)
+    # A node whose ephemeral range leaves no room outside it: anywhere in 20000-59999.
+    assert all(20000 <= derived_port(*k, ephemeral=(1024, 65000)) < 60000 for k in keys)
