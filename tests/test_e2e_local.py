@@ -74,6 +74,12 @@ def test_two_iterations_then_everything_skipped(tiny_run):
             assert sum(parts.values()) == pytest.approx(m["import_s"], abs=1.0), (parts, m["import_s"])
             assert json.loads(markers_note(run, it).read_text())["attempt"] == 1
         assert parts["imports"] > 0
+        # Its log names the process from its first line, and its start line (`pid=`) at the turn.
+        log = (run / "logs" / f"iter_{it:05d}" / stage / "attempt_1" / "rank_00000.log").read_text()
+        first = next(line for line in log.splitlines() if line.startswith("[n0:r0]"))
+        who = re.search(rf"{stage} iteration {it} attempt 1 started early on host (\S+) as process (\d+) \(rank 0/",
+                        first)
+        assert who and re.search(rf"attempt 1: host={re.escape(who[1])} pid={who[2]} ", log), log[:2000]
     assert "iteration 0 train    started early (attempt 1): loading while generate runs" in proc.stderr
     assert "iteration 1 train    started early (attempt 1): loading while train runs" in proc.stderr
     assert "iteration 1 save     started early (attempt 1): loading while generate runs" in proc.stderr

@@ -255,6 +255,11 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
         if args.after:
             setup_logging(dist_info().tag)
             ctx = make_context(stage, args.run_dir, args.iteration, args.overrides, waiting=True)
+            # Who it is, before the preload's and the early set-up's lines (what to attach a debugger to
+            # if it hangs there); the `pid=` line below comes at the turn.
+            log.info("%s iteration %d attempt %d started early on host %s as process %d (rank %d/%d, local_rank %d, "
+                     "node %d): preloading, then waiting for %s", stage, ctx.iteration, ctx.attempt, ctx.info.host,
+                     os.getpid(), ctx.rank, ctx.world_size, ctx.info.local_rank, ctx.info.node_id, args.after)
             waited = wait_for_turn(ctx, args.after, args.after_timeout, preload, set_up)
             if waited is None:
                 sys.exit(EXIT_GAVE_UP_WAITING)
