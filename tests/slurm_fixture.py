@@ -171,20 +171,21 @@ def job_log(out_dir: Path, job_id: str) -> str:
 def wait_in_job(job_id: str, out_dir: Path, predicate, timeout: float, what: str, interval: float = 0.1):
     """wait_for, for something a running job must bring about: fails at once if the job ends first,
     and either way the failure carries the job's log and its run's rank logs (a CI run keeps no files)."""
-    deadline, next_poll = time.monotonic() + timeout, 0.0
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
+    next_poll = 0.0
+
+    def came_about():
+        nonlocal next_poll
+        if (value := predicate()) or time.monotonic() < next_poll:
             return value
-        if time.monotonic() >= next_poll:  # scontrol twice a second at most (see wait_finished)
-            if (state := finished(job_id)) is not None:
-                value = predicate()  # it may have come about just before the end
-                if value:
-                    return value
-                raise AssertionError(f"job {job_id} ended {state} before {what}\n{job_story(out_dir, job_id)}")
-            next_poll = time.monotonic() + 0.5
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{job_story(out_dir, job_id)}")
+        next_poll = time.monotonic() + 0.5  # scontrol twice a second at most (see wait_finished)
+        if (state := finished(job_id)) is None or (value := predicate()):  # it may have come just before the end
+            return value
+        raise AssertionError(f"job {job_id} ended {state} before {what}")
+
+    try:
+        return wait_for(came_about, timeout, what, interval)
+    except AssertionError as e:  # the job's end, or wait_for's timeout
+        raise AssertionError(f"{e}\n{job_story(out_dir, job_id)}") from None
 
 
 def job_story(out_dir: Path, job_id: str, lines: int = 40) -> str:
