@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,8 +40,7 @@ def archive(out: Path, specs: list[str]) -> list[Path]:
         if not sep or not name or not rev or "/" in name:
             raise SystemExit(f"compare_trees archive: {spec!r} is not NAME=REVISION (e.g. before=main~1)")
         tree = out / name
-        if tree.exists():
-            subprocess.run(["rm", "-rf", str(tree)], check=True)
+        shutil.rmtree(tree, ignore_errors=True)
         tree.mkdir(parents=True)
         git = subprocess.Popen(["git", "-C", str(ROOT), "archive", rev], stdout=subprocess.PIPE)
         subprocess.run(["tar", "-x", "-C", str(tree)], stdin=git.stdout, check=True)
