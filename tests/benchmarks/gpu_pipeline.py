@@ -84,7 +84,7 @@ def main() -> int:
             return proc.returncode
     figures = report(run_dir.resolve(), args.iterations, wall, args.peak_flops, hbm_bandwidth(given=args.bandwidth))
     if not args.no_load_check:
-        figures["load_check"] = load_check(run_dir.resolve(), args.iterations)
+        figures["load_check"] = load_check(run_dir.resolve(), args.iterations, Path(figures["base_model"]))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
     return 0
@@ -109,6 +109,11 @@ def safetensors_params(model_dir: Path) -> dict[str, int]:
         for name, (_, shape) in (safetensors_header.layout(f) or {}).items():
             counts[name] = math.prod(shape)
     return counts
+
+
+def base_model(run_dir: Path, cfg: dict) -> Path:
+    """The run's base model: model.path where the run was given one, else the preset it created."""
+    return Path(cfg["model"]["path"]) if cfg["model"].get("path") else run_dir / "models" / "base"
 
 
 def non_embedding_params(model_dir: Path) -> tuple[int, int]:
@@ -200,8 +205,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
     import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    n_params, n_total = non_embedding_params(run_dir / "models" / "base")
-    shape = model_shape(run_dir / "models" / "base")
+    base = base_model(run_dir, cfg)
+    n_params, n_total = non_embedding_params(base)
+    shape = model_shape(base)
     per_it = []
     for it in range(iterations):
         m = {s: read_json(run_dir / f"iter_{it:05d}" / "markers" / f"{s}.done") for s in STAGES}
@@ -266,6 +272,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
                 "preload_late_s": max(r.get("started_early_late_s", 0.0) for r in train),
                 # tuning.deferred_checkpoint: the copy to host memory before the marker, the write after it.
                 "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
+                # DeepSpeed's save_checkpoint around that copy, and the policy file for save (rank 0's).
+                "engine_save_s": max(r.get("deferred_checkpoint", {}).get("engine_save_s", 0.0) for r in train),
+                "policy_s": max(r.get("deferred_checkpoint", {}).get("policy_s", 0.0) for r in train),
                 # Files over the snapshot's host-memory budget, written before the marker.
                 "written_now_s": max(r.get("deferred_checkpoint", {}).get("written_now_s", 0.0) for r in train),
                 "write_after_s": deferred_write_s(run_dir, it),
@@ -291,7 +300,7 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
         })
 
     print(f"\nrun dir: {run_dir}")
-    print(f"model: models/base, {n_params / 1e6:.1f}M non-embedding parameters ({n_total / 1e6:.1f}M in all); "
+    print(f"model: {base}, {n_params / 1e6:.1f}M non-embedding parameters ({n_total / 1e6:.1f}M in all); "
           f"{per_it[0]['train']['ranks']} GPU(s)")
     print("\nwall time per stage (s; the stage marker's duration_s, process start-up included)")
     print(f"{'iter':>4}  " + "  ".join(f"{s:>8}" for s in STAGES) + f"  {'total':>8}")
@@ -362,7 +371,10 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
             print(f"    {label:<19}", col("train", f"host_{k}", "{:>9.1f}"))
     print("  checkpoint s         ", col("train", "checkpoint_s", "{:>9.1f}"))
     if any(r["train"]["snapshot_s"] for r in per_it):
-        print("  of which to host s   ", col("train", "snapshot_s", "{:>9.1f}"))
+        print("  DeepSpeed's save s   ", col("train", "engine_save_s", "{:>9.2f}"), "  (of the checkpoint)")
+        print("   of which to host s  ", col("train", "snapshot_s", "{:>9.2f}"))
+        print("  policy file s        ", col("train", "policy_s", "{:>9.2f}"),
+              "  (of the checkpoint: the weights for save to link)")
         print("  written after it s   ", col("train", "write_after_s", "{:>9.1f}"), "  (beside save, generate, score, gather)")
     if any(r["train"]["written_now_s"] for r in per_it):
         print("  of which written s   ", col("train", "written_now_s", "{:>9.1f}"),
@@ -414,8 +426,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
     if wall is not None:
         print(f"\nwhole run {wall:.1f}s: stages {stage_total:.1f}s, coordinator and base-model creation "
               f"{wall - stage_total:.1f}s")
-    return {"run_dir": str(run_dir), "non_embedding_params": n_params, "non_compute_share": shares,
-            "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak, "hbm_bytes_per_s": bandwidth[0],
+    return {"run_dir": str(run_dir), "base_model": str(base), "non_embedding_params": n_params,
+            "non_compute_share": shares, "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak, "hbm_bytes_per_s": bandwidth[0],
             "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
 
 
@@ -496,7 +508,7 @@ def checkpoint_bytes(run_dir: Path) -> int:
     return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) if tags else 0
 
 
-def load_check(run_dir: Path, iterations: int) -> dict:
+def load_check(run_dir: Path, iterations: int, base: Path) -> dict:
     """Every export loads with from_pretrained; each differs from the one before it (training moved it).
 
     The first export also differs from models/base by bf16 rounding (training ran in bf16), so the
@@ -509,7 +521,7 @@ def load_check(run_dir: Path, iterations: int) -> dict:
     hf_logging.disable_progress_bar()
     out = {}
     prev_name = "base"
-    prev = AutoModelForCausalLM.from_pretrained(run_dir / "models" / "base", dtype=torch.float32).state_dict()
+    prev = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
     for it in range(iterations):
         path = run_dir / "models" / f"iter_{it:05d}"
         t0 = time.time()
