@@ -190,7 +190,8 @@ def test_a_step_done_by_its_markers_leaves_the_ranks_still_exiting_running(tmp_p
     # Rank 0 exits at once; rank 1 writes its "marker", then takes long to exit (a slow teardown).
     step = LocalStep(_procs("pass", f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"))
     t0 = time.monotonic()
-    result = step.wait(30, done=marker.exists)
+    # Done once rank 0 has exited too: the check runs every few tens of ms, maybe before it has.
+    result = step.wait(30, done=lambda: marker.exists() and step.procs[0].poll() is not None)
     assert time.monotonic() - t0 < 10 and result.ok and result.lingering == (1,)
     assert step.running() is False and step.procs[1].poll() is None  # rank 1 still there, not killed
     joined = step.wait(0.5)  # the coordinator's join: past its grace it is killed
@@ -203,7 +204,8 @@ def test_done_does_not_end_the_wait_once_a_rank_has_failed(tmp_path):
     marker = tmp_path / "rank_1.done"
     step = LocalStep(_procs("raise SystemExit(3)",
                             f"import pathlib, time; time.sleep(1); pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"))
-    result = step.wait(30, done=marker.exists)
+    # Done once rank 0 has exited too: the check runs every few tens of ms, maybe before it has.
+    result = step.wait(30, done=lambda: marker.exists() and step.procs[0].poll() is not None)
     # Rank 0 failed first: the peers are stopped as ever (PEER_GRACE_S), none is left running.
     assert not result.ok and result.returncodes[0] == 3 and result.lingering == ()
     assert all(p.poll() is not None for p in step.procs.values())
