@@ -198,7 +198,8 @@ def release_engine(run: TrainRun) -> None:
     """Free the GPU before the marker: the next stages on it start once the marker is in, while this
     process still writes the checkpoint from host memory."""
     run.engine.destroy()
-    run.engine = run.ref = None
+    # The flat norm holds the ZeRO optimizer (its fp32 weights and Adam moments): dropped with the engine.
+    run.engine = run.ref = run.norm = None
     release_cached_memory()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved",
