@@ -112,8 +112,7 @@ def parallel_save(obj, path: str, threads: int | None = None) -> bool:
     # tensors (the optimizer step) must be done first, as torch.save's copies on that stream would wait.
     for device in {s.device for s in storages if s.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
-    placed = [(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), offset)
-              for s, offset in zip(storages, offsets)]
+    placed = [(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), offset) for s, offset in zip(storages, offsets)]
     write_tensor_bytes(path, placed, threads or min(8, os.cpu_count() or 1))
     return True
 
