@@ -136,8 +136,7 @@ def write_policy(ctx, writes: DeferredWrites) -> Path:
     if states is None:
         raise RuntimeError(f"the model states ({local_checkpoints.MODEL_STATES}) were not held in host memory: "
                            f"set tuning.deferred_checkpoint=false")
-    return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration),
-                             ctx.cfg.tuning.checkpoint_write_threads)
+    return policy_file.write(states["module"], ctx.paths.train_policy(ctx.iteration))
 
 
 def state_bytes(obj, host_too: bool = False) -> int:

@@ -108,28 +108,18 @@ def parallel_save(obj, path: str, threads: int | None = None) -> bool:
                                           zip(offsets, storages, offsets[1:] + [os.path.getsize(path)])):
         raise RuntimeError(f"{path}: the archive's {len(names)} tensor records do not match the "
                            f"{len(storages)} storages found in the object")
+    work = [(s, offset + start, start, min(CHUNK_BYTES, s.nbytes() - start))
+            for s, offset in zip(storages, offsets) for start in range(0, s.nbytes(), CHUNK_BYTES)]
     # The threads copy on streams of their own: what the caller's stream still computes into these
     # tensors (the optimizer step) must be done first, as torch.save's copies on that stream would wait.
     for device in {s.device for s in storages if s.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
-    placed = [(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), offset) for s, offset in zip(storages, offsets)]
-    write_tensor_bytes(path, placed, threads or min(8, os.cpu_count() or 1))
-    return True
-
-
-def write_tensor_bytes(path, placed: list, threads: int) -> None:
-    """Each contiguous tensor's bytes at its file offset in `path` (a file already that long), in
-    chunks by `threads` threads: [(tensor, offset), ...]."""
-    work = []
-    for tensor, offset in placed:
-        base, size = tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()
-        work += [(tensor.untyped_storage(), offset + start, base + start, min(CHUNK_BYTES, size - start))
-                 for start in range(0, size, CHUNK_BYTES)]
     fd = os.open(path, os.O_WRONLY)
     try:
-        _write_chunks(fd, work, max(1, threads))
+        _write_chunks(fd, work, threads or min(8, os.cpu_count() or 1))
     finally:
         os.close(fd)
+    return True
 
 
 def storage_order(obj) -> list:

@@ -416,8 +416,7 @@ class TuningConfig:
     # Threads that write the DeepSpeed checkpoint's files before train's marker (a plain or node-local
     # checkpoint, or a deferred one's files over the host-memory budget): torch.save's file, its
     # tensors' bytes copied and written in 64 MB chunks by this many threads (stages/rl/serialization.py).
-    # 0: torch.save alone, as DeepSpeed calls it. The policy file train writes for save goes through
-    # as many threads (at least one).
+    # 0: torch.save alone, as DeepSpeed calls it.
     checkpoint_write_threads: int = 8
     # A stage started early (start_early) waits at most this long (s) for the previous stage's marker.
     start_early_wait_s: int = 21600
