@@ -111,8 +111,7 @@ class Checkpointer:
         watchdog.beat("write the policy's weights")
         path = self.ctx.paths.train_policy(self.ctx.iteration)
         if self.zero3:
-            return policy_file.write_gathered(engine, path, self.ctx.rank == 0,
-                                              self.ctx.cfg.tuning.checkpoint_write_threads)
+            return policy_file.write_gathered(engine, path, self.ctx.rank == 0)
         return deferred_checkpoint.write_policy(self.ctx, writes) if self.ctx.rank == 0 else None
 
     def record_local(self, checkpoint_id: str, saved: Saved) -> Path:
