@@ -20,7 +20,7 @@ from stages.runtime import markers, pipeline
 from stages.runtime.config import ConfigError, RunConfig, config_hash, load_config
 from stages.runtime.dist import DistInfo, destroy_process_group, dist_info
 from stages.runtime.logs import recent_lines, setup_logging
-from stages.runtime.memory import memory_report
+from stages.runtime.memory import freeze_loaded_objects, memory_report
 from stages.runtime.paths import RunPaths
 
 log = logging.getLogger("syncrl.stage")
@@ -144,6 +144,9 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_
     ctx.turn = after
     if preload is not None:
         ctx.preloaded = preload(ctx)
+    t_freeze = time.time()
+    freeze_loaded_objects()
+    ctx.preload_phases["freeze_objects"] = round(time.time() - t_freeze, 3)
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
              time.time() - t0, after)
     if set_up is not None:
