@@ -4,12 +4,15 @@ tests/test_fused_layers.py). That it saves the first micro-batch its kernel load
 (docs/benchmarks.md); here: that it runs every piece train's first step runs, for each setting that
 changes which pieces those are."""
 
+from pathlib import Path
 
 import pytest
 import torch
 
 from stages.rl import fused_layers, rehearsal
 from stages.runtime.config import TrainConfig, TuningConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton")
 
@@ -140,3 +143,44 @@ def test_a_preload_sees_its_turn_come_and_skips_what_only_saves_time(tmp_path):
     # A process started at its turn (not early) has it already.
     assert StageContext(stage="train", iteration=1, cfg=None, paths=None, info=None, attempt=1, config_hash="",
                         inputs="").turn_came()
+
+
+FREEZE_CHECK = """
+import gc, sys, weakref
+from stages.runtime.stage import StageContext, wait_for_turn
+
+class Node:
+    pass
+
+dead = []
+
+def preload(ctx):
+    node = Node()
+    node.me = node  # a cycle, garbage before the freeze
+    dead.append(weakref.ref(node))
+    open(sys.argv[1], "w").write("{}")
+
+ctx = StageContext(stage="train", iteration=1, cfg=None, paths=None, info=None, attempt=1, config_hash="", inputs="")
+assert wait_for_turn(ctx, sys.argv[1], timeout_s=5, preload=preload) is not None
+assert dead[0]() is None, "garbage of the preload frozen"
+assert gc.get_freeze_count() > 1000 and "freeze_objects" in ctx.preload_phases
+later = Node()
+later.me = later
+gone = weakref.ref(later)
+del later
+gc.collect()
+assert gone() is None, "a cycle made after the freeze not collected"
+print("checked")
+"""
+
+
+def test_a_process_started_early_leaves_what_its_preload_loaded_out_of_later_collections(tmp_path):
+    # stages/runtime/stage.py wait_for_turn: once preloaded, one collection and gc.freeze; the turn's
+    # own collections (release_cached_memory) then walk only what the stage made since. In a process
+    # of its own: the freeze is for the rest of the process.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FREEZE_CHECK, str(tmp_path / "gather.done")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "checked" in out.stdout, out.stderr[-2000:]
