@@ -33,6 +33,8 @@ from stages.runtime.stage import EXIT_GAVE_UP_WAITING, base_model_id
 log = logging.getLogger("syncrl.coordinator")
 
 LOG_TAIL_LINES = 15
+# start_early=auto starts stages early with at least this many CPU cores per rank on a node.
+EARLY_CORES_PER_RANK = 4
 
 def describe_os_error(e: OSError) -> str:
     """One line for an OSError, saying plainly when the disk (or a quota) is full."""
@@ -471,7 +473,9 @@ class Coordinator:
         if mode == "auto":
             per_node = self.launcher.ntasks("train") // max(1, len(self.launcher.nodes()))
             cores = first_int(allocation("cpus_on_node")) or len(os.sched_getaffinity(0))
-            mode = "always" if cores >= 3 * per_node else "never"
+            # While generate runs, each of its ranks has three processes preloading beside it (this
+            # iteration's save, the next train, the next generate), each CPU-bound for seconds.
+            mode = "always" if cores >= EARLY_CORES_PER_RANK * per_node else "never"
             log.info("start_early=auto: %s (%d CPU cores per node, %d ranks per node)",
                      "starting stages early" if mode == "always" else "not starting stages early", cores, per_node)
         return mode == "always"

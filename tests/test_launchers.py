@@ -45,9 +45,9 @@ def test_group_must_divide_the_ranks_per_node():
     assert not [p for p in check(cfg, "local", env={}) if "gpus_per_process" in p]
 
 
-@pytest.mark.parametrize("cores,mode,expected", [("4", "auto", False), ("6", "auto", True), ("48(x2)", "auto", True),
+@pytest.mark.parametrize("cores,mode,expected", [("6", "auto", False), ("8", "auto", True), ("48(x2)", "auto", True),
                                                  ("48", "never", False), ("1", "always", True)])
-def test_start_early_auto_needs_three_cores_per_rank(tmp_path, monkeypatch, cores, mode, expected):
+def test_start_early_auto_needs_four_cores_per_rank(tmp_path, monkeypatch, cores, mode, expected):
     from jobs.coordinator import Coordinator
 
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", cores)

@@ -147,7 +147,7 @@ def test_a_preload_sees_its_turn_come_and_skips_what_only_saves_time(tmp_path):
 
 FREEZE_CHECK = """
 import gc, sys, weakref
-from stages.runtime.stage import StageContext, wait_for_turn
+from stages.runtime.stage import StageContext, then_frozen, wait_for_turn
 
 class Node:
     pass
@@ -161,7 +161,7 @@ def preload(ctx):
     open(sys.argv[1], "w").write("{}")
 
 ctx = StageContext(stage="train", iteration=1, cfg=None, paths=None, info=None, attempt=1, config_hash="", inputs="")
-assert wait_for_turn(ctx, sys.argv[1], timeout_s=5, preload=preload) is not None
+assert wait_for_turn(ctx, sys.argv[1], timeout_s=5, preload=then_frozen(preload)) is not None
 assert dead[0]() is None, "garbage of the preload frozen"
 assert gc.get_freeze_count() > 1000 and "freeze_objects" in ctx.preload_phases
 later = Node()
@@ -175,9 +175,9 @@ print("checked")
 
 
 def test_a_process_started_early_leaves_what_its_preload_loaded_out_of_later_collections(tmp_path):
-    # stages/runtime/stage.py wait_for_turn: once preloaded, one collection and gc.freeze; the turn's
-    # own collections (release_cached_memory) then walk only what the stage made since. In a process
-    # of its own: the freeze is for the rest of the process.
+    # stages/runtime/stage.py then_frozen, the preload a stage started early runs: once preloaded, one
+    # collection and gc.freeze; the turn's own collections (release_cached_memory) then walk only what
+    # the stage made since. In a process of its own: the freeze is for the rest of the process.
     import subprocess
     import sys
 

@@ -476,7 +476,7 @@ class RunConfig:
     # Start generate, train and save processes while earlier stages still run, so that their imports
     # and model code load meanwhile; each waits (at most start_early_wait_s) for the previous stage's
     # marker before it reads anything (at most tuning.start_early_wait_s). "auto": only where the
-    # machine has at least 3 CPU cores per rank, since the early imports compete with the running
+    # machine has at least 4 CPU cores per rank, since the early imports compete with the running
     # stage for the cores.
     start_early: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -56,22 +56,23 @@ class Stage:
 # Persist copies train's node-local checkpoint (train.local_checkpoint_dir) to the run dir beside
 # the next iteration's generate, score and gather; the next train, which replaces the node-local
 # copy, waits for it.
-# Score and gather start in well under a second: not worth starting early. Train starts when the
-# previous train starts, so that its imports have a whole train, save, generate, score and gather
-# to hide behind (started at save, they outlasted the light stages and its turn waited for them);
-# in iteration 0, at generate. Once generate's processes have exited it builds its engine and
-# resumes while score and gather run (sets_up_early), and only reads the train set at its turn.
+# Score and gather start in well under a second: not worth starting early. Train starts one whole
+# iteration ahead, with the generate before its own (in iteration 0, trains 0 and 1 start at generate
+# 0): its imports run 13-27 s on the GPU machines' hosts, more than the train, save, generate, score and
+# gather it had when it started with the previous train, whose turn then waited for them (started at
+# save, earlier, they outlasted the light stages). Once generate's processes have exited it builds its
+# engine and resumes while score and gather run (sets_up_early), and only reads the train set at its turn.
 # Save starts with generate: started with train, its imports competed with the next generate's and
 # train's and ran past its turn. The next generate starts with this generate, for the same reason:
 # started with train, its imports shared the host with the next train's and the update.
 PIPELINE = (
     Stage("generate", every_rank=True, grouped=True, gpu=True, reads=(("save", -1),),
-          starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(0, "save", "train", 0),
-                        EarlyStart(1, "generate", "save", 0))),
+          starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(1, "train", "gather", 1),
+                        EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0))),
     Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
     Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
     Stage("train", every_rank=True, gpu=True, sets_up_early=True, reads=(("gather", 0), ("save", -1)),
-          needs=(Need("gather", "stage"),), starts_early=(EarlyStart(1, "train", "gather", 1),)),
+          needs=(Need("gather", "stage"),)),
     Stage("save", every_rank=False, reads=(("train", 0),), needs=(Need("train", "stage"),)),
     Stage("persist", every_rank=False, every_node=True, reads=(("train", 0),), needs=(Need("train", "stage"),),
           done_before=("train", 1)),

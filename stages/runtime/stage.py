@@ -144,9 +144,6 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_
     ctx.turn = after
     if preload is not None:
         ctx.preloaded = preload(ctx)
-    t_freeze = time.time()
-    freeze_loaded_objects()
-    ctx.preload_phases["freeze_objects"] = round(time.time() - t_freeze, 3)
     log.info("%s iteration %d started early: preloaded in %.1fs, waiting for %s", ctx.stage, ctx.iteration,
              time.time() - t0, after)
     if set_up is not None:
@@ -170,6 +167,18 @@ def wait_for_turn(ctx: StageContext, after: str, timeout_s: float, preload, set_
             return None
         time.sleep(0.05)
     return time.time() - t1
+
+
+def then_frozen(preload):
+    """`preload` (or nothing), then freeze_loaded_objects (stages/runtime/memory.py), whose seconds go
+    in the preload's phases: what a process started early runs before it waits for its turn."""
+    def run(ctx: StageContext):
+        out = preload(ctx) if preload is not None else None
+        t0 = time.time()
+        freeze_loaded_objects()
+        ctx.preload_phases["freeze_objects"] = round(time.time() - t0, 3)
+        return out
+    return run
 
 
 def base_model_id(cfg: RunConfig) -> str:
@@ -263,7 +272,7 @@ def run_stage(stage: str, main, per_rank_skip: bool = True, argv=None, preload=N
             log.info("%s iteration %d attempt %d started early on host %s as process %d (rank %d/%d, local_rank %d, "
                      "node %d): preloading, then waiting for %s", stage, ctx.iteration, ctx.attempt, ctx.info.host,
                      os.getpid(), ctx.rank, ctx.world_size, ctx.info.local_rank, ctx.info.node_id, args.after)
-            waited = wait_for_turn(ctx, args.after, args.after_timeout, preload, set_up)
+            waited = wait_for_turn(ctx, args.after, args.after_timeout, then_frozen(preload), set_up)
             if waited is None:
                 sys.exit(EXIT_GAVE_UP_WAITING)
             ctx.inputs = ctx.fingerprint_inputs()
