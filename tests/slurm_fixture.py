@@ -141,10 +141,11 @@ SMALL_RUN = ["start_early=always", "data.prompts_per_iteration=8", "generate.att
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
-def sbatch(out_dir: Path, *args: str) -> str:
-    """Submit from the repository root, job log to OUT_DIR/job-<id>.out; returns the job id."""
+def sbatch(out_dir: Path, *args: str, env: dict | None = None) -> str:
+    """Submit from the repository root, job log to OUT_DIR/job-<id>.out; returns the job id. `env`:
+    variables the job gets beside this process's."""
     # SYNCRL_PYTHON: the interpreter that has syncrl installed (the system python3 may not).
-    env = dict(os.environ, SYNCRL_PYTHON=sys.executable)
+    env = dict(os.environ, SYNCRL_PYTHON=sys.executable, **(env or {}))
     proc = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/job-%j.out", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr

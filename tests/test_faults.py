@@ -33,9 +33,9 @@ def report(case: str, detect_s: float | None, recover_s: float | None) -> None:
     print(f"\nFAULT {case}: time-to-detect {fmt(detect_s)}, time-to-recover {fmt(recover_s)}")
 
 
-def sbatch_run(out_dir: Path, run_dir: Path, *extra: str) -> str:
+def sbatch_run(out_dir: Path, run_dir: Path, *extra: str, env: dict | None = None) -> str:
     return sbatch(out_dir, "slurm/rl_2node.sbatch", "configs/local_tiny.yaml", f"run_dir={run_dir}",
-                  "iterations=1", *SMALL_RUN, *extra)
+                  "iterations=1", *SMALL_RUN, *extra, env=env)
 
 
 def done_markers(run_dir: Path) -> dict[str, int]:
@@ -416,9 +416,14 @@ def test_node_lost_during_a_step(reference_run, tmp_path):
     """n2's slurmd and every process on it die mid-train; the job ends NODE_FAIL, requeues, waits for
     the node, and resumes at train once n2 is back."""
     run_dir = tmp_path / "run"
-    job = sbatch_run(tmp_path, run_dir)
+    # Train's rank 1 waits 60 s before its updates (tests/slow_train): the tiny update alone is over
+    # before the node can be failed.
+    slow = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "slow_train"), str(ROOT)]),
+            "SYNCRL_TEST_SLOW_TRAIN": "0:1:60"}
+    job = sbatch_run(tmp_path, run_dir, env=slow)
     log = run_dir / "logs" / "iter_00000" / "train" / "attempt_1" / "rank_00001.log"
-    wait_in_job(job, tmp_path, lambda: rank_pid(log), 300, "train rank 1 (on n2) to start", interval=0.05)
+    wait_in_job(job, tmp_path, lambda: "slow_train: waiting" in (log.read_text() if log.is_file() else ""), 300,
+                "train rank 1 (on n2) to start its updates", interval=0.05)
     before = done_markers(run_dir)
     cluster = ["bash", str(ROOT / "slurm" / "local_cluster.sh")]
     try:
