@@ -99,10 +99,10 @@ def _proc_kib(path: str, field: str) -> int | None:
 def freeze_loaded_objects() -> None:
     """Collect once, then leave every object alive now out of later collections (gc.freeze).
 
-    A stage started early calls it when its preload is done, off the critical path: the half a
-    million objects of torch, DeepSpeed and transformers' modules live as long as the process, yet
-    each full collection in the stage's turn (release_cached_memory, more than once per iteration)
-    walks them all again. Objects alive now are still freed when their last reference goes; only
+    A stage started early calls it when its preload is done, off the critical path: the objects of
+    torch's, DeepSpeed's and transformers' modules live as long as the process, yet each full
+    collection in the stage's turn (release_cached_memory, more than once per iteration) walks them
+    all again, seconds in all on a slow host. Objects alive now are still freed when their last reference goes; only
     cycles among them that die later are never collected."""
     gc.collect()
     gc.freeze()

@@ -58,9 +58,9 @@ class Stage:
 # copy, waits for it.
 # Score and gather start in well under a second: not worth starting early. Train starts one whole
 # iteration ahead, with the generate before its own (in iteration 0, trains 0 and 1 start at generate
-# 0): its imports run 13-27 s on the GPU machines' hosts, more than the train, save, generate, score and
-# gather it had when it started with the previous train, whose turn then waited for them (started at
-# save, earlier, they outlasted the light stages). Once generate's processes have exited it builds its
+# 0): on the GPU machines' hosts its imports outlasted the train, save, generate, score and gather it
+# had when it started with the previous train, and its turn waited for them (docs/benchmarks.md;
+# started at save, they outlasted the light stages). Once generate's processes have exited it builds its
 # engine and resumes while score and gather run (sets_up_early), and only reads the train set at its turn.
 # Save starts with generate: started with train, its imports competed with the next generate's and
 # train's and ran past its turn. The next generate starts with this generate, for the same reason:
