@@ -270,13 +270,12 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
                 "mfu_model": tr.get("mfu"), "import_s": max(r.get("import_s", 0.0) for r in train),
                 # Started early: how long its preload ran past its turn (on the critical path).
                 "preload_late_s": max(r.get("started_early_late_s", 0.0) for r in train),
-                # tuning.deferred_checkpoint: the copy to host memory before the marker, the write after it.
-                "snapshot_s": max(r.get("deferred_checkpoint", {}).get("snapshot_s", 0.0) for r in train),
-                # DeepSpeed's save_checkpoint around that copy, and the policy file for save (rank 0's).
-                "engine_save_s": max(r.get("deferred_checkpoint", {}).get("engine_save_s", 0.0) for r in train),
-                "policy_s": max(r.get("deferred_checkpoint", {}).get("policy_s", 0.0) for r in train),
-                # Files over the snapshot's host-memory budget, written before the marker.
-                "written_now_s": max(r.get("deferred_checkpoint", {}).get("written_now_s", 0.0) for r in train),
+                # tuning.deferred_checkpoint: the copy to host memory before the marker (snapshot_s),
+                # DeepSpeed's save_checkpoint around it (engine_save_s), the policy file for save (policy_s),
+                # files over the snapshot's host-memory budget written before the marker (written_now_s);
+                # the write after the marker.
+                **{k: max(r.get("deferred_checkpoint", {}).get(k, 0.0) for r in train)
+                   for k in ("snapshot_s", "engine_save_s", "policy_s", "written_now_s")},
                 "write_after_s": deferred_write_s(run_dir, it),
             },
             "startup_s": {
@@ -427,8 +426,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
         print(f"\nwhole run {wall:.1f}s: stages {stage_total:.1f}s, coordinator and base-model creation "
               f"{wall - stage_total:.1f}s")
     return {"run_dir": str(run_dir), "base_model": str(base), "non_embedding_params": n_params,
-            "non_compute_share": shares, "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak, "hbm_bytes_per_s": bandwidth[0],
-            "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
+            "non_compute_share": shares, "checkpoint_bytes": ckpt_bytes, "params": n_total, "peak_flops": peak,
+            "hbm_bytes_per_s": bandwidth[0], "wall_s": wall, "iterations": per_it, "stage_wall_mean_s": means}
 
 
 # The parts of a stage's time on the critical path, in the order they happen.
