@@ -33,7 +33,7 @@ from stages.runtime import dist
 from stages.runtime.config import ConfigError, deepspeed_derived, zero_stage
 from stages.runtime.logs import Phases, Progress
 from stages.runtime.markers import read_jsonl, write_jsonl_atomic
-from stages.runtime.memory import release_cached_memory
+from stages.runtime.memory import free_tensors_reached, release_cached_memory
 from stages.runtime.stage import StageContext, run_stage, write_failure_record
 
 log = logging.getLogger("syncrl.train")
@@ -198,12 +198,16 @@ def release_engine(run: TrainRun) -> None:
     """Free the GPU before the marker: the next stages on it start once the marker is in, while this
     process still writes the checkpoint from host memory."""
     run.engine.destroy()
+    # What survives the engine's destroy (all of a ZeRO-3 engine) is freed by its tensors' storage;
+    # on the GPU only: the snapshot keeps the engine's host tensors (CPU Adam's state) as they are.
+    freed = free_tensors_reached(run.engine, run.device) if run.device.type != "cpu" else 0
     # The flat norm holds the ZeRO optimizer (its fp32 weights and Adam moments): dropped with the engine.
     run.engine = run.ref = run.norm = None
     release_cached_memory()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved",
-                 torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9)
+        log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved "
+                 "(%.2f GB freed by storage: what the engine's references kept)",
+                 torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9, freed / 1e9)
 
 
 # Modules deepspeed.initialize imports on its first call (DeepSpeed 0.19: its optimizer check

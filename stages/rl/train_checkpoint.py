@@ -188,6 +188,8 @@ class Deferred(Checkpointer):
         engine.checkpoint_engine = self.writes
         t0 = time.time()
         self.write(engine)
+        # The snapshot is this checkpointer's alone: nothing that frees the engine's tensors reaches it.
+        engine.checkpoint_engine = self.writes.inner
         engine_save_s = time.time() - t0
         self.pool.release()
         deferred_checkpoint.write_layout(ctx, self.writes)

@@ -114,3 +114,38 @@ def release_cached_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def free_tensors_reached(root, device) -> int:
+    """Give back the memory of every tensor on `device` that `root` reaches through containers and
+    objects' attributes (not through classes, modules or functions); returns the bytes freed.
+
+    For an object the process is done with but cannot drop: a ZeRO-3 engine stays reachable after
+    its destroy() (DeepSpeed 0.19: its parameters, hooks and optimizer hold each other through
+    references the garbage collector does not see), and with it the model, its gradients and the
+    optimizer state. Every tensor it reaches is unusable afterwards."""
+    import types
+
+    import torch
+
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType,
+            types.FrameType, str, bytes, int, float)
+    seen, stack, freed = set(), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == device.type and device.index in (None, obj.device.index):
+                storage = obj.untyped_storage()
+                if storage.resizable():  # not memory it does not own (a mapped file, another library's)
+                    freed += storage.nbytes()
+                    storage.resize_(0)
+            # A parameter's own attributes (ZeRO-3's partition, ds_tensor) and its gradient.
+            stack.extend(vars(obj).values())
+            if obj.grad is not None:
+                stack.append(obj.grad)
+            continue
+        stack.extend(gc.get_referents(obj))
+    return freed
