@@ -200,14 +200,16 @@ def release_engine(run: TrainRun) -> None:
     run.engine.destroy()
     # What survives the engine's destroy (all of a ZeRO-3 engine) is freed by its tensors' storage;
     # on the GPU only: the snapshot keeps the engine's host tensors (CPU Adam's state) as they are.
+    t0 = time.time()
     freed = free_tensors_reached(run.engine, run.device) if run.device.type != "cpu" else 0
+    walk_s = time.time() - t0
     # The flat norm holds the ZeRO optimizer (its fp32 weights and Adam moments): dropped with the engine.
     run.engine = run.ref = run.norm = None
     release_cached_memory()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved "
-                 "(%.2f GB freed by storage: what the engine's references kept)",
-                 torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9, freed / 1e9)
+                 "(%.2f GB freed by storage, what the engine's references kept, in %.2fs)",
+                 torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9, freed / 1e9, walk_s)
 
 
 # Modules deepspeed.initialize imports on its first call (DeepSpeed 0.19: its optimizer check
