@@ -56,9 +56,7 @@ class Stage:
 # Persist copies train's node-local checkpoint (train.local_checkpoint_dir) to the run dir beside
 # the next iteration's generate, score and gather; the next train, which replaces the node-local
 # copy, waits for it.
-# Score and gather start with generate and wait: launched at their turns, each cost its launch and
-# imports (about 0.1 s on a local launcher, more where srun reaches another host) on the critical path
-# every iteration, against a process that idles beside generate. Train starts one whole
+# Score and gather start in well under a second: not worth starting early. Train starts one whole
 # iteration ahead, with the generate before its own (in iteration 0, trains 0 and 1 start at generate
 # 0): on the GPU machines' hosts its imports outlasted the train, save, generate, score and gather it
 # had when it started with the previous train, and its turn waited for them (docs/benchmarks.md;
@@ -69,8 +67,7 @@ class Stage:
 # started with train, its imports shared the host with the next train's and the update.
 PIPELINE = (
     Stage("generate", every_rank=True, grouped=True, gpu=True, reads=(("save", -1),),
-          starts_early=(EarlyStart(0, "score", "generate", 0), EarlyStart(0, "gather", "score", 0),
-                        EarlyStart(0, "train", "gather", 0), EarlyStart(1, "train", "gather", 1),
+          starts_early=(EarlyStart(0, "train", "gather", 0), EarlyStart(1, "train", "gather", 1),
                         EarlyStart(0, "save", "train", 0), EarlyStart(1, "generate", "save", 0))),
     Stage("score", every_rank=True, grouped=True, reads=(("generate", 0),), needs=(Need("generate", "rank"),)),
     Stage("gather", every_rank=False, reads=(("score", 0),), needs=(Need("score", "ranks"),)),
