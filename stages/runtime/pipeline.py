@@ -56,7 +56,9 @@ class Stage:
 # Persist copies train's node-local checkpoint (train.local_checkpoint_dir) to the run dir beside
 # the next iteration's generate, score and gather; the next train, which replaces the node-local
 # copy, waits for it.
-# Score and gather start in well under a second: not worth starting early. Train starts one whole
+# Score and gather start at their turns: started early they end sooner, but train's set-up, which
+# begins as generate's processes exit, outlasts them, so their turn only comes sooner for train to
+# wait in (docs/benchmarks.md, the built-in task, eighth session). Train starts one whole
 # iteration ahead, with the generate before its own (in iteration 0, trains 0 and 1 start at generate
 # 0): on the GPU machines' hosts its imports outlasted the train, save, generate, score and gather it
 # had when it started with the previous train, and its turn waited for them (docs/benchmarks.md;
