@@ -33,3 +33,14 @@ def test_tensors_on_other_devices_are_left_alone():
     root.t = torch.ones(10)
     assert free_tensors_reached(root, torch.device("cuda", 0)) == 0
     assert root.t.sum().item() == 10
+
+
+def test_memory_the_process_does_not_own_is_left_alone():
+    import numpy as np
+
+    root = Holder()
+    array = np.ones(10, dtype=np.float32)
+    root.borrowed = torch.from_numpy(array)  # numpy's memory: torch cannot resize it
+    root.own = torch.ones(10)
+    assert free_tensors_reached(root, torch.device("cpu")) == 40
+    assert array.sum() == 10 and root.borrowed.sum().item() == 10
