@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,14 +199,18 @@ def release_engine(run: TrainRun) -> None:
     """Free the GPU before the marker: the next stages on it start once the marker is in, while this
     process still writes the checkpoint from host memory."""
     run.engine.destroy()
-    # What survives the engine's destroy (all of a ZeRO-3 engine) is freed by its tensors' storage;
-    # on the GPU only: the snapshot keeps the engine's host tensors (CPU Adam's state) as they are.
-    t0 = time.time()
-    freed = free_tensors_reached(run.engine, run.device) if run.device.type != "cpu" else 0
-    walk_s = time.time() - t0
+    engine = weakref.ref(run.engine)
     # The flat norm holds the ZeRO optimizer (its fp32 weights and Adam moments): dropped with the engine.
     run.engine = run.ref = run.norm = None
     release_cached_memory()
+    freed, walk_s = 0, 0.0
+    if engine() is not None and run.device.type != "cpu":
+        # It outlived its destroy() (a ZeRO-3 engine does): its GPU tensors are freed by storage. Not on
+        # the CPU: the snapshot keeps the engine's host tensors (CPU Adam's state) as they are.
+        t0 = time.time()
+        freed = free_tensors_reached(engine(), run.device)
+        walk_s = time.time() - t0
+        release_cached_memory()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         log.info("GPU memory held while the checkpoint is written: %.2f GB allocated, %.2f GB reserved "
                  "(%.2f GB freed by storage, what the engine's references kept, in %.2fs)",
