@@ -121,9 +121,9 @@ def free_tensors_reached(root, device) -> int:
     objects' attributes (not through classes, modules or functions); returns the bytes freed.
 
     For an object the process is done with but cannot drop: a ZeRO-3 engine stays reachable after
-    its destroy() (DeepSpeed 0.19: its parameters, hooks and optimizer hold each other through
-    references the garbage collector does not see), and with it the model, its gradients and the
-    optimizer state. Every tensor it reaches is unusable afterwards."""
+    its destroy() and a collection (DeepSpeed 0.19 keeps references to it: its module, for one, on a
+    module-level stack), and with it the model, its gradients and the optimizer state. Every tensor
+    it reaches is unusable afterwards."""
     import types
 
     import torch
@@ -144,7 +144,7 @@ def free_tensors_reached(root, device) -> int:
                     storage.resize_(0)
             # A parameter's own attributes (ZeRO-3's partition, ds_tensor) and its gradient.
             stack.extend(vars(obj).values())
-            if obj.grad is not None:
+            if obj.is_leaf and obj.grad is not None:  # a non-leaf's .grad is None, with a warning
                 stack.append(obj.grad)
             continue
         stack.extend(gc.get_referents(obj))
