@@ -54,3 +54,14 @@ def delay_on_import(module: str, attribute: str, seconds: float, message: str) -
     """Delay `module`'s `attribute` ("function" or "Class.method") once the module is imported."""
     owner, _, name = attribute.rpartition(".")
     sys.meta_path.insert(0, _Delay(module, owner, name, seconds, message))
+
+
+def delay_train_from_env(variable: str, module: str, attribute: str, label: str, before: str) -> None:
+    """Where `variable` names this process ("0:1:30" = train's iteration 0, rank 1, 30 s), delay
+    `module`'s `attribute` that long, printing "LABEL: waiting 30s BEFORE" first."""
+    target = os.environ.get(variable, "")
+    if not target:
+        return
+    iteration, rank, seconds = target.split(":")
+    if is_train_process(iteration, rank):
+        delay_on_import(module, attribute, float(seconds), f"{label}: waiting {float(seconds):.0f}s {before}")

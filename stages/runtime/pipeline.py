@@ -58,7 +58,7 @@ class Stage:
 # copy, waits for it.
 # Score and gather start at their turns: started early they end sooner, but train's set-up, which
 # begins as generate's processes exit, outlasts them, so their turn only comes sooner for train to
-# wait in (docs/benchmarks.md, the built-in task, eighth session). Train starts one whole
+# wait in (docs/benchmarks.md: score and gather started early, tried and reverted). Train starts one whole
 # iteration ahead, with the generate before its own (in iteration 0, trains 0 and 1 start at generate
 # 0): on the GPU machines' hosts its imports outlasted the train, save, generate, score and gather it
 # had when it started with the previous train, and its turn waited for them (docs/benchmarks.md;

@@ -8,14 +8,6 @@ module is imported (tests/injected_delay.py): train itself runs as __main__, whi
 without its loader's exec_module.
 """
 
-import os
+from tests.injected_delay import delay_train_from_env
 
-_target = os.environ.get("SYNCRL_TEST_SLOW_TRAIN", "")
-
-if _target:
-    from tests.injected_delay import delay_on_import, is_train_process
-
-    iteration, rank, seconds = _target.split(":")
-    if is_train_process(iteration, rank):
-        delay_on_import("stages.rl.steps", "optimizer_steps", float(seconds),
-                        f"slow_train: waiting {float(seconds):.0f}s before the updates")
+delay_train_from_env("SYNCRL_TEST_SLOW_TRAIN", "stages.rl.steps", "optimizer_steps", "slow_train", "before the updates")

@@ -7,14 +7,6 @@ The wait is put into stages.rl.deferred_checkpoint.DeferredWrites.flush when tha
 (tests/injected_delay.py).
 """
 
-import os
+from tests.injected_delay import delay_train_from_env
 
-_target = os.environ.get("SYNCRL_TEST_SLOW_WRITE", "")
-
-if _target:
-    from tests.injected_delay import delay_on_import, is_train_process
-
-    iteration, rank, seconds = _target.split(":")
-    if is_train_process(iteration, rank):
-        delay_on_import("stages.rl.deferred_checkpoint", "DeferredWrites.flush", float(seconds),
-                        f"slow_write: waiting {float(seconds):.0f}s before the deferred write")
+delay_train_from_env("SYNCRL_TEST_SLOW_WRITE", "stages.rl.deferred_checkpoint", "DeferredWrites.flush", "slow_write", "before the deferred write")
