@@ -65,7 +65,7 @@ def check_warnings(cfg: RunConfig, launcher: str = "auto", env: dict | None = No
 
 def snapshot_warnings(cfg: RunConfig, world: int, nodes: int, available: int) -> list[str]:
     """Rank 0's snapshot of the deferred checkpoint against its host-memory budget on this node
-    (stages/runtime/footprint.py): over it, train writes the checkpoint before its marker."""
+    (stages/runtime/footprint.py): what is over it, train writes before its marker."""
     params = footprint.parameters(cfg.model.path, cfg.model.preset)
     path = resolve(cfg.train.deepspeed_config)
     if params is None or path is None:
@@ -76,8 +76,9 @@ def snapshot_warnings(cfg: RunConfig, world: int, nodes: int, available: int) ->
         return []
     where = ("checkpoints/ (or train.local_checkpoint_dir) on a disk with room for them rather than in tmpfs, "
              "or " if short.in_memory else "")
-    return [f"train's checkpoint will be written before its marker every iteration, on the critical path: rank "
-            f"0's snapshot of it ({_gb(short.snapshot)}) is over the host memory it may take ({_gb(short.budget)}: "
+    return [f"about {_gb(short.snapshot - short.budget)} of train's checkpoint will be written before its marker every "
+            f"iteration, on the critical path: rank 0's snapshot of it ({_gb(short.snapshot)}) is over the host memory "
+            f"it may take ({_gb(short.budget)}: "
             f"{memory.HOST_MEMORY_SHARE:.0%} of this node's {_gb(available)} available, less the kept checkpoints "
             f"in tmpfs, per rank{', halved as the checkpoints are in tmpfs' if short.in_memory else ''}); "
             f"{where}nodes with about {_gb(short.available_needed)} of available host memory take it off"]

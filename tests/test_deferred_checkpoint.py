@@ -202,10 +202,14 @@ def test_host_memory_is_prepared_by_the_previous_snapshots_layout(tmp_path):
     assert pool.take((2, 2), torch.float32) is None  # not in the layout: the caller allocates
     assert pool.prepared_bytes == pool.taken_bytes == 3 * 4 * 2 + 2 * 5 * 4
     pool.release()
-    # Over the budget: nothing prepared.
+    # Over the budget: what fits, in the layout's order (the first tensor alone is over 16 bytes).
     small = HostPool()
     small.prepare(layout, budget_bytes=16)
     assert small.take((3, 4), torch.bfloat16) is None and small.prepared_bytes == 0
+    part = HostPool()
+    part.prepare(layout, budget_bytes=50)
+    assert part.take((3, 4), torch.bfloat16) is not None and part.take((5,), torch.float32) is not None
+    assert part.take((5,), torch.float32) is None and part.prepared_bytes == 3 * 4 * 2 + 5 * 4
     # No layout by the stage's turn (the previous train wrote none): the thread gives up at once.
     none = HostPool()
     none.prepare(tmp_path / "absent.json", budget_bytes=1 << 20)
@@ -254,6 +258,54 @@ def test_the_snapshot_budget_counts_a_checkpoint_directory_in_host_memory(tmp_pa
         assert dc.snapshot_budget(ctx, ctx.paths.checkpoints, held=8 << 30) == (share + (8 << 30)) // 2
     finally:
         shutil.rmtree(target)
+
+
+def test_a_file_over_the_budget_holds_the_pieces_that_fit_and_writes_the_rest_now(tmp_path, monkeypatch):
+    # On CPU a snapshot copies nothing (host tensors are kept), so no file is ever over the budget in a
+    # run here: the test counts host bytes as a GPU's would be counted, to split a file as a GPU's
+    # train does (test_gpu.py splits real GPU tensors). DeepSpeed's torch engine behind the threaded writer.
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from stages.rl import deferred_checkpoint as dc
+    from stages.rl.serialization import ThreadedWrites
+
+    counted = dc.state_bytes
+    monkeypatch.setattr(dc, "state_bytes", lambda obj, host_too=False: counted(obj, host_too=True))
+    state = {"exp_avg": torch.arange(10_000, dtype=torch.float32), "step": torch.tensor(7),
+             "groups": [torch.randn(3_000)], "meta": {"lr": 0.1}}  # 40,000, 8 and 12,000 bytes
+    expected = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    path = tmp_path / "optim_states.pt"
+    writes = dc.DeferredWrites(ThreadedWrites(TorchCheckpointEngine(), 2), budget_bytes=20_000, piece_bytes=4096)
+    writes.save(state, str(path))
+    # Four whole pieces of exp_avg fit the 20,000 bytes; the rest of it, the step and the group (whose
+    # first piece no longer fits) are written now.
+    (_, held), = writes.queued
+    assert isinstance(held, dc.HeldPieces) and [t.numel() for t, _ in held] == [4096] * 4
+    assert writes.written_now == 40_000 - 4 * 4096 + 8 + 12_000 and writes.layout == []  # host pieces: no copies
+    assert writes.find("optim_states.pt") is None  # a part of a file is not a state
+    early = torch.load(path)
+    assert torch.equal(early["exp_avg"][4096:], expected["exp_avg"][4096:]) and early["step"] == 7
+    assert not early["exp_avg"][1:4096].any()  # the held bytes are not in the file yet
+    assert torch.equal(early["groups"][0], expected["groups"][0])
+    writes.flush()
+    loaded = torch.load(path)
+    assert all(torch.equal(loaded[k], expected[k]) for k in ("exp_avg", "step"))
+    assert torch.equal(loaded["groups"][0], expected["groups"][0]) and loaded["meta"] == {"lr": 0.1}
+    # Less room than a piece: the whole file is written now, as before.
+    whole = dc.DeferredWrites(ThreadedWrites(TorchCheckpointEngine(), 2), budget_bytes=4000, piece_bytes=4096)
+    whole.save(state, str(tmp_path / "whole.pt"))
+    assert not whole.queued and whole.written_now == 52_008
+
+
+def test_split_pieces_hold_whole_pieces_in_file_order_while_they_fit():
+    from stages.rl.deferred_checkpoint import split_pieces
+
+    a, b, c = (torch.empty(n, dtype=torch.uint8).untyped_storage() for n in (10, 3, 7))
+    held, now = split_pieces([(a, 100), (b, 200), (c, 300)], room=9, piece=4)
+    assert [(s is a, start, n, at) for s, start, n, at in held] == [(True, 0, 4, 100), (True, 4, 4, 100)]
+    assert [(start, n, at) for _, start, n, at in now] == [(8, 2, 100), (0, 3, 200), (0, 7, 300)]
+    held, now = split_pieces([(a, 100), (c, 300)], room=20, piece=4)
+    assert [(start, n) for _, start, n, _ in held] == [(0, 4), (4, 4), (8, 2), (0, 4), (4, 3)] and now == []
 
 
 def test_a_file_over_the_budget_is_written_before_the_marker_and_said_so(tmp_path):

@@ -144,6 +144,7 @@ def test_a_deferred_checkpoint_over_its_host_memory_budget_is_named_with_what_ta
     assert two.snapshot == 6 * params and two.budget == int(60 * 10**9 * 0.5 / 2)
     (line,) = snapshot_warnings(in_shm, 1, 1, 120 * 10**9)
     assert "written before its marker every iteration" in line and "(33.8 GB)" in line and "tmpfs" in line
+    assert line.startswith(f"about {(short.snapshot - short.budget) / 1e9:.1f} GB of train's checkpoint")
     assert snapshot_warnings(on_disk, 1, 1, 120 * 10**9) == []
     # Off where nothing is deferred.
     off = load_config(None, [f"run_dir={shm}/syncrl-test-never-written", *zero3, "tuning.deferred_checkpoint=false"])

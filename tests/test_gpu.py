@@ -276,6 +276,33 @@ def test_a_deferred_checkpoint_snapshot_copies_every_byte():
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_a_file_over_the_snapshot_budget_is_held_in_pieces_and_written_whole_after(tmp_path):
+    # A file over the host-memory budget left: the pieces that fit are copied to host memory (the
+    # layout records them for the next iteration's pool), the rest written now; the GPU tensors are
+    # then overwritten (train frees and reuses them), and the file written after holds the state as saved.
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from stages.rl import deferred_checkpoint as dc
+    from stages.rl.serialization import ThreadedWrites
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    state = {"m": torch.randn(3_000_000, device="cuda", generator=g), "step": torch.tensor(3, device="cuda"),
+             "v": torch.randn(1_000_000, device="cuda", generator=g).to(torch.bfloat16)}
+    expected = {k: v.cpu() for k, v in state.items()}
+    writes = dc.DeferredWrites(ThreadedWrites(TorchCheckpointEngine(), 4), budget_bytes=5_000_000,
+                               piece_bytes=1 << 20)
+    writes.save(state, str(tmp_path / "optim_states.pt"))
+    assert writes.layout == [["uint8", [1 << 20]]] * 4 and writes.held == 4 << 20
+    assert writes.written_now == 12_000_000 - (4 << 20) + 8 + 2_000_000
+    for t in state.values():
+        t.zero_()
+    writes.flush()
+    loaded = torch.load(tmp_path / "optim_states.pt")
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 @pytest.mark.parametrize("locked", [True, False], ids=["page-locked", "pageable"])
 def test_a_snapshot_fills_the_host_memory_prepared_by_its_layout(tmp_path, locked):
     # The next train prepares host memory by the layout a snapshot records (deferred_checkpoint.HostPool),

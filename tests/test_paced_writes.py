@@ -37,6 +37,21 @@ def test_writes_of_every_size_leave_the_same_bytes(tmp_path):
     assert (tmp_path / "g").read_bytes() == b"".join(parts)
 
 
+def test_parts_of_an_existing_file_go_where_they_are_sought(tmp_path):
+    # A checkpoint file written in part before train's marker: the rest goes into its places after it.
+    path = tmp_path / "f"
+    base = bytearray(os.urandom(7 * CHUNK))
+    path.write_bytes(base)
+    parts = {3 * CHUNK + 5: os.urandom(2 * CHUNK + 1), 10: os.urandom(CHUNK // 3), 6 * CHUNK: os.urandom(CHUNK)}
+    with PacedFile(path, CHUNK, create=False) as f:
+        for at, data in parts.items():
+            f.seek(at)
+            f.write(data)
+    for at, data in parts.items():
+        base[at:at + len(data)] = data
+    assert path.read_bytes() == bytes(base)
+
+
 @pytest.mark.skipif(paced_writes._sync_file_range is None, reason="no sync_file_range here (not Linux)")
 def test_no_more_than_two_chunks_are_ever_left_to_write_back(tmp_path, monkeypatch):
     """The real sync_file_range runs; each call is recorded. Before any write returns, every byte

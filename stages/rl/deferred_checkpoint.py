@@ -8,8 +8,11 @@ beside it sync their own files). Between the two, train writes the policy's weig
 frees the GPU and writes its marker, so save and the next generate do not wait for the optimizer
 state to reach the disk. The copy to host memory (copy_to_host) is what stays before the marker.
 
-A file whose state does not fit the host-memory budget is written at once instead, as without
-deferral: a snapshot must never push the node into swap or the OOM killer. Where the checkpoint
+A file whose state does not fit the host-memory budget left is written in part at once instead, as
+without deferral: a snapshot must never push the node into swap or the OOM killer. Where its writer
+lays the archive out first (serialization.ThreadedWrites), the pieces of its large tensors that fit
+the budget are held all the same and written after the marker into their places in the file
+(HeldPieces); only the rest is written before it. Where the checkpoint
 directory is itself in host memory (tmpfs), each file written takes as much memory again as its
 snapshot, and the budget counts both.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import errno
+import itertools
 import json
 import logging
 import mmap
@@ -29,20 +33,25 @@ from pathlib import Path
 
 import torch
 
-from stages.rl import policy_file
+from stages.rl import policy_file, serialization
 from stages.runtime import footprint, local_checkpoints, markers, paced_writes
 from stages.runtime.memory import HOST_MEMORY_SHARE, available_host_bytes, memory_backed, snapshot_budget_bytes
 
 log = logging.getLogger("syncrl.deferred_checkpoint")
+
+# A file over the budget is held in pieces of this size: the next iteration prepares host memory by
+# them (HostPool), and a budget that moves a little between iterations still finds them prepared.
+PIECE_BYTES = 256 << 20
 
 
 class DeferredWrites:
     """A checkpoint engine that snapshots on save() and writes on flush(); everything else is the
     wrapped engine's (loads, directories, commits)."""
 
-    def __init__(self, inner, budget_bytes: int, pool: HostPool | None = None):
+    def __init__(self, inner, budget_bytes: int, pool: HostPool | None = None, piece_bytes: int = PIECE_BYTES):
         self.inner = inner
         self.budget = budget_bytes
+        self.piece_bytes = piece_bytes  # what a file over the budget holds of its tensors comes in these
         self.pool = pool or HostPool()  # host memory prepared for the snapshot (none: allocated as it goes)
         self.queued: list[tuple[str, object]] = []
         self.held = 0  # bytes of the queued snapshots
@@ -59,6 +68,8 @@ class DeferredWrites:
     def save(self, state_dict, path: str) -> None:
         size = state_bytes(state_dict)
         if self.held + size > self.budget:
+            if self._save_split(state_dict, path):
+                return
             log.info("%s: %.2f GB does not fit the host-memory budget left (%.2f GB): written now", path, size / 1e9,
                      (self.budget - self.held) / 1e9)
             self.pool.release()  # what the pool prepared and the snapshot did not take goes before the write
@@ -72,9 +83,43 @@ class DeferredWrites:
         self.held += size
         self.snapshot_s += time.time() - t0
 
+    def _save_split(self, state, path: str) -> bool:
+        """A file over the budget left, where its writer lays the archive out first: the pieces of its
+        tensors that fit the budget held in host memory (HeldPieces, written after the marker), the
+        rest written now around them. False, having written nothing, where it cannot."""
+        room = self.budget - self.held
+        threads = getattr(self.inner, "threads", 0)
+        if room < self.piece_bytes or not isinstance(self.inner, serialization.ThreadedWrites):
+            return False
+        layout = serialization.archive_layout(state, path)
+        if layout is None:
+            return False
+        held, now = split_pieces(layout, room, self.piece_bytes)
+        t0 = time.time()
+        views = [serialization.storage_bytes(s)[start:start + n] for s, start, n, _ in held]
+        # Host storages are kept as they are (to_host's rule): train makes no step after the snapshot.
+        copied = [v for v in views if v.device.type != "cpu"]
+        self.layout += [["uint8", [v.numel()]] for v in copied]
+        moved = iter(copy_to_host(copied, self.pool))
+        self.queued.append((path, HeldPieces((v if v.device.type == "cpu" else next(moved), record + start)
+                                             for v, (_, start, _, record) in zip(views, held))))
+        self.held += sum(v.numel() for v in copied)
+        self.snapshot_s += time.time() - t0
+        self.pool.release()  # what the pool prepared and the snapshot did not take goes before the write
+        t0 = time.time()
+        serialization.write_ranges(path, now, threads)
+        now_bytes = sum(n for _, _, n, _ in now)
+        self.written_now += now_bytes
+        self.written_now_s += time.time() - t0
+        log.info("%s: over the host-memory budget left (%.2f GB): %.2f GB held for after the marker, %.2f GB "
+                 "written now in %.1fs", path, room / 1e9, sum(n for _, _, n, _ in held) / 1e9, now_bytes / 1e9,
+                 time.time() - t0)
+        return True
+
     def find(self, suffix: str):
-        """The queued state of the file whose path ends with `suffix` (None if not queued)."""
-        return next((state for path, state in self.queued if path.endswith(suffix)), None)
+        """The queued state of the file whose path ends with `suffix` (None if not queued whole)."""
+        return next((state for path, state in self.queued if path.endswith(suffix)
+                     and not isinstance(state, HeldPieces)), None)
 
     def flush(self, beat=lambda: None) -> float:
         """Write the queued files in order, freeing each snapshot once written; returns the seconds."""
@@ -104,11 +149,39 @@ class DeferredWrites:
         running beside this write sync their own files. Another engine writes its own way."""
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+        if isinstance(state, HeldPieces):
+            with paced_writes.PacedFile(path, create=False) as f:
+                for t, at in sorted(state, key=lambda piece: piece[1]):
+                    f.seek(at)
+                    f.write(memoryview(t.numpy()))
+            return
         if not isinstance(self.inner, TorchCheckpointEngine):
             self.inner.save(state, path)
             return
         with paced_writes.PacedFile(path) as f:
             torch.save(state, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
+
+
+class HeldPieces(list):
+    """The held part of a file written in part before the marker: (host uint8 tensor, file offset)
+    pairs, each written at its offset into the archive already laid out."""
+
+
+def split_pieces(layout: list, room: int, piece: int) -> tuple[list, list]:
+    """(held, now): ranges (storage, start, bytes, record offset) over an archive's (storage, record
+    offset) layout. Held: whole pieces of `piece` bytes (a storage's last may be shorter) of storages
+    of at least that size, in file order while they fit `room`; now: the rest."""
+    held, now = [], []
+    for storage, record in layout:
+        size, start = storage.nbytes(), 0
+        while size >= piece and start < size and min(piece, size - start) <= room:
+            n = min(piece, size - start)
+            held.append((storage, start, n, record))
+            room -= n
+            start += n
+        if start < size:
+            now.append((storage, start, size - start, record))
+    return held, now
 
 
 def deferral_note(record: dict | None) -> str:
@@ -268,10 +341,13 @@ class HostPool:
         except (OSError, ValueError, TypeError, AttributeError) as e:
             log.warning("host memory not prepared: %s unreadable (%s)", path, e)
             return
-        if sum(sizes) > budget_bytes:
-            log.info("host memory not prepared: %s lists %.2f GB, over the budget of %.2f GB", path, sum(sizes) / 1e9,
-                     budget_bytes / 1e9)
-            return
+        # What fits the budget, in the snapshot's order: a file held in pieces filled the last budget,
+        # and this one may be a little smaller.
+        fit = sum(1 for total in itertools.accumulate(sizes) if total <= budget_bytes)
+        if fit < len(sizes):
+            log.info("host memory prepared for %d of the %d tensors %s lists (%.2f of %.2f GB): the budget is %.2f GB",
+                     fit, len(sizes), path, sum(sizes[:fit]) / 1e9, sum(sizes) / 1e9, budget_bytes / 1e9)
+            layout, sizes = layout[:fit], sizes[:fit]
         t0 = time.time()
         lock = cuda_device is not None
         if lock:

@@ -12,7 +12,8 @@ process-wide settings apply to it. tests/benchmarks/checkpoint_io.py measures ea
   filled, instead of being read into freshly allocated host memory first.
 
 A file that must be written before the marker (parallel_save) is torch.save's own file, its tensors'
-bytes written by several threads: torch.save copies each GPU tensor whole into newly allocated host
+bytes written by several threads (write_ranges: any part of them, in any order, into the layout
+archive_layout writes): torch.save copies each GPU tensor whole into newly allocated host
 memory and writes it from one thread, so at 3B (tensors of several GB) the allocation and the single
 writer set the pace, not the disk.
 """
@@ -92,12 +93,22 @@ def parallel_save(obj, path: str, threads: int | None = None) -> bool:
     """torch.save(obj, path), the tensors' bytes written by `threads` threads in chunks, each GPU
     chunk through its thread's page-locked buffer. Returns False, having written nothing, where this
     torch lacks what it needs (the caller then calls torch.save)."""
+    layout = archive_layout(obj, path)
+    if layout is None:
+        return False
+    write_ranges(path, [(storage, 0, storage.nbytes(), offset) for storage, offset in layout], threads)
+    return True
+
+
+def archive_layout(obj, path: str) -> list | None:
+    """torch.save's file of `obj` at `path` without the tensors' bytes (holes where they go), and
+    (storage, file offset) for each of its distinct storages; None, having written nothing, where
+    this torch lacks what it needs."""
     import torch
 
     if not (hasattr(torch.serialization, "skip_data") and hasattr(torch._C.PyTorchFileReader, "get_record_offset")):
-        return False
+        return None
     storages = storage_order(obj)
-    # The file without the tensors' bytes: the archive's records laid out with room for them.
     with torch.serialization.skip_data():
         torch.save(obj, path)
     reader = torch._C.PyTorchFileReader(path)
@@ -108,18 +119,25 @@ def parallel_save(obj, path: str, threads: int | None = None) -> bool:
                                           zip(offsets, storages, offsets[1:] + [os.path.getsize(path)])):
         raise RuntimeError(f"{path}: the archive's {len(names)} tensor records do not match the "
                            f"{len(storages)} storages found in the object")
-    work = [(s, offset + start, start, min(CHUNK_BYTES, s.nbytes() - start))
-            for s, offset in zip(storages, offsets) for start in range(0, s.nbytes(), CHUNK_BYTES)]
+    return list(zip(storages, offsets))
+
+
+def write_ranges(path: str, ranges: list, threads: int | None = None) -> None:
+    """Bytes of storages into the file archive_layout laid out: each (storage, start, bytes, its record's
+    offset), bytes [start, start + bytes) of the storage, in CHUNK_BYTES pieces by `threads` threads."""
+    import torch
+
+    work = [(s, record + start, start, min(CHUNK_BYTES, first + n - start))
+            for s, first, n, record in ranges for start in range(first, first + n, CHUNK_BYTES)]
     # The threads copy on streams of their own: what the caller's stream still computes into these
     # tensors (the optimizer step) must be done first, as torch.save's copies on that stream would wait.
-    for device in {s.device for s in storages if s.device.type == "cuda"}:
+    for device in {s.device for s, *_ in ranges if s.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
     fd = os.open(path, os.O_WRONLY)
     try:
         _write_chunks(fd, work, threads or min(8, os.cpu_count() or 1))
     finally:
         os.close(fd)
-    return True
 
 
 def storage_order(obj) -> list:
@@ -141,6 +159,13 @@ def storage_order(obj) -> list:
     return list(seen.values())
 
 
+def storage_bytes(storage):
+    """The storage's bytes as a one-dimensional uint8 tensor on its device."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _write_chunks(fd: int, work: list, threads: int) -> None:
     """Each (storage, file offset, storage offset, bytes) by one of `threads` threads; the first error stops all."""
     import torch
@@ -156,7 +181,7 @@ def _write_chunks(fd: int, work: list, threads: int) -> None:
                 return
             storage, at, start, size = item
             try:
-                source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[start:start + size]
+                source = storage_bytes(storage)[start:start + size]
                 if source.device.type not in ("cpu", "cuda"):
                     source = source.cpu()
                 elif source.device.type == "cuda":

@@ -47,12 +47,13 @@ class PacedFile:
     torch.save and for copies. Use it as a context manager: on leaving without an error the file is
     synced and closed, on an error only closed (the caller removes what was cut short)."""
 
-    def __init__(self, path: str | Path, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, path: str | Path, chunk_bytes: int = CHUNK_BYTES, create: bool = True):
         self.path = Path(path)
         self.chunk = chunk_bytes
-        self.file = open(self.path, "wb", buffering=0)
-        self.written = 0  # bytes written
-        self.started = 0  # bytes whose write-back has been started
+        # create=False: parts of an existing file, each from its seek()
+        self.file = open(self.path, "wb" if create else "r+b", buffering=0)
+        self.written = 0  # where the next write goes (bytes written, in a file written from its start)
+        self.started = 0  # where the write-back not yet started begins
         self.ranges = _sync_file_range is not None  # else each chunk is synced whole
 
     def write(self, data) -> int:
@@ -68,6 +69,13 @@ class PacedFile:
             if self.written - self.started >= self.chunk:
                 self._chunk_written()
         return done
+
+    def seek(self, offset: int) -> None:
+        """Go on writing at `offset`: the write-back of what is dirty starts first."""
+        if self.written > self.started and not (self.ranges and self._sync_range(self.started, _WRITE)):
+            os.fdatasync(self.file.fileno())
+        self.file.seek(offset)
+        self.written = self.started = offset
 
     def _chunk_written(self) -> None:
         start = self.started
