@@ -10,19 +10,14 @@ weight once (save's export ties it again), as transformers writes a model's weig
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from stages.rl import serialization
 
-# torch dtype name -> safetensors' name, for the dtypes a policy's weights come in.
-DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
-          "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-def write(weights: dict, path: Path, threads: int | None = None) -> Path:
+def write(weights: dict, path: Path) -> Path:
     """Write `weights` (name -> host tensor) to `path` through a temporary name; tied tensors once."""
+    from safetensors.torch import save_file
+
     unique, seen = {}, set()
     for name, tensor in weights.items():
         if tensor.data_ptr() in seen:
@@ -31,36 +26,9 @@ def write(weights: dict, path: Path, threads: int | None = None) -> Path:
         unique[name] = tensor.contiguous()
     tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if all(str(t.dtype).removeprefix("torch.") in DTYPES for t in unique.values()):
-        write_threaded(unique, tmp, threads)
-    else:
-        from safetensors.torch import save_file
-
-        save_file(unique, str(tmp), metadata={"format": "pt"})
+    save_file(unique, str(tmp), metadata={"format": "pt"})  # as transformers writes it: save links it in
     os.replace(tmp, path)
     return path
-
-
-def write_threaded(tensors: dict, path: Path, threads: int | None = None) -> None:
-    """The safetensors file of `tensors` (contiguous, dtypes of DTYPES), as transformers writes a
-    model's weights (save links it in), its bytes written by several threads: on the critical
-    path, one writer of a multi-GB file into the page cache sets the pace, not the storage."""
-    header, ranges, end = {}, [], 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
-                        "data_offsets": [end, end + size]}
-        start = t.storage_offset() * t.element_size()
-        ranges.append((t.untyped_storage(), start, size, end - start))
-        end += size
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors lays it out
-    data = 8 + len(text)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        f.truncate(data + end)
-    serialization.write_ranges(str(path), [(s, start, n, data + at) for s, start, n, at in ranges], threads)
 
 
 def write_gathered(engine, path: Path, writer: bool) -> Path | None:
