@@ -88,7 +88,6 @@ class DeferredWrites:
         tensors that fit the budget held in host memory (HeldPieces, written after the marker), the
         rest written now around them. False, having written nothing, where it cannot."""
         room = self.budget - self.held
-        threads = getattr(self.inner, "threads", 0)
         if room < self.piece_bytes or not isinstance(self.inner, serialization.ThreadedWrites):
             return False
         layout = serialization.archive_layout(state, path)
@@ -107,7 +106,7 @@ class DeferredWrites:
         self.snapshot_s += time.time() - t0
         self.pool.release()  # what the pool prepared and the snapshot did not take goes before the write
         t0 = time.time()
-        serialization.write_ranges(path, now, threads)
+        serialization.write_ranges(path, now, self.inner.threads)
         now_bytes = sum(n for _, _, n, _ in now)
         self.written_now += now_bytes
         self.written_now_s += time.time() - t0

@@ -72,16 +72,23 @@ class PacedFile:
 
     def seek(self, offset: int) -> None:
         """Go on writing at `offset`: the write-back of what is dirty starts first."""
-        if self.written > self.started and not (self.ranges and self._sync_range(self.started, _WRITE)):
-            os.fdatasync(self.file.fileno())
+        if self.written > self.started:
+            self._start_write_back(self.started)
         self.file.seek(offset)
         self.written = self.started = offset
 
+    def _start_write_back(self, offset: int) -> bool:
+        """Start the write-back of the chunk at `offset`, without waiting; where the filesystem will not
+        take ranges, sync the file whole instead. True where the range was taken."""
+        if self.ranges and self._sync_range(offset, _WRITE):
+            return True
+        os.fdatasync(self.file.fileno())
+        return False
+
     def _chunk_written(self) -> None:
         start = self.started
-        if not (self.ranges and self._sync_range(start, _WRITE)):  # this chunk's write-back starts; no wait
-            os.fdatasync(self.file.fileno())
-        elif start >= self.chunk:  # the chunk before it must be on storage before more is written
+        if self._start_write_back(start) and start >= self.chunk:
+            # The chunk before it must be on storage before more is written.
             self._sync_range(start - self.chunk, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
         self.started += self.chunk
 
