@@ -138,9 +138,10 @@ def test_checkpoint_benchmark_reads_back_what_it_wrote_under_every_setting(tmp_p
     out = run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/benchmarks/checkpoint_io.py",
                "--preset", "tiny-llama", "--model-dir", str(tmp_path / "base"), "--dir", str(tmp_path / "ckpt"),
                "--json", str(tmp_path / "io.json")])
-    assert "plain write" in out and out.count("read back identical") == 10 and "mean of 2:" in out
+    assert "plain write" in out and out.count("read back identical") == 12 and "mean of 2:" in out
     rows = json.loads((tmp_path / "io.json").read_text())["results"]
-    variants = ["default", "nocrc", "nocrc+mmap", "nocrc+mmap+pinned", "nocrc+mmap+pinned+threads"]
+    variants = ["default", "nocrc", "nocrc+mmap", "nocrc+mmap+pinned", "nocrc+mmap+pinned+threads",
+                "nocrc+mmap+pinned+threads+staged"]  # staged: the plain load on CPU (nothing to move)
     assert [r["variant"] for r in rows] == variants + variants[::-1]  # mirrored second pass
     assert all(r["identical"] and r["bytes"] > 0 and r["save_s"] > 0 for r in rows)
 
@@ -220,3 +221,11 @@ def test_compare_trees_runs_the_command_in_each_revision_in_turn(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert re.search(r"## slow, round 0: [\d.]+s, timed out", proc.stdout), proc.stdout
     assert re.search(r"## new, round 0: [\d.]+s, exit 0", proc.stdout), proc.stdout
+
+
+def test_policy_write_benchmark_times_each_writer_and_checks_the_files(tmp_path):
+    out = run(["tests/benchmarks/policy_write.py", "--preset", "tiny-llama", "--threads", "1,2", "--repeats", "2",
+               "--dir", str(tmp_path / "p")])
+    assert "tiny-llama: " in out and all(re.search(rf"^{w} +[0-9.]+ s +[0-9.]+ GB/s", out, re.M)
+                                         for w in ("safetensors", "threads=1", "threads=2")), out
+    assert not (tmp_path / "p").exists()

@@ -276,6 +276,31 @@ def test_a_deferred_checkpoint_snapshot_copies_every_byte():
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_a_loaded_checkpoint_moved_to_the_gpu_keeps_every_byte():
+    # tuning.resume_to_gpu: the large contiguous host tensors of a loaded file go to the GPU through
+    # page-locked buffers, in chunks over several threads; scalars (an optimizer's step), small and
+    # non-contiguous tensors stay on the host; containers keep their types.
+    from collections import OrderedDict
+
+    import torch
+
+    from stages.rl import serialization
+
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(serialization.CHUNK_BYTES // 4 * 2 + 777, generator=g)
+    weight = torch.randn(1024, 700, generator=g).to(torch.bfloat16)
+    state = {"module": OrderedDict(w=weight, norm=torch.ones(3)), "t": weight.t(),
+             "optimizer": [{"exp_avg": flat, "step": torch.tensor(5), "part": flat[100:300_000]}], "meta": ("x", 1)}
+    out, moved = serialization.to_device(state, torch.device("cuda"), threads=3)
+    assert type(out["module"]) is OrderedDict and out["meta"] == ("x", 1)
+    assert out["module"]["w"].is_cuda and torch.equal(out["module"]["w"].cpu(), weight)
+    assert out["optimizer"][0]["exp_avg"].is_cuda and torch.equal(out["optimizer"][0]["exp_avg"].cpu(), flat)
+    assert out["optimizer"][0]["part"].is_cuda and torch.equal(out["optimizer"][0]["part"].cpu(), flat[100:300_000])
+    assert not out["module"]["norm"].is_cuda and not out["optimizer"][0]["step"].is_cuda and not out["t"].is_cuda
+    assert moved == weight.numel() * 2 + flat.numel() * 4 + (300_000 - 100) * 4
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 def test_a_file_over_the_snapshot_budget_is_held_in_pieces_and_written_whole_after(tmp_path):
     # A file over the host-memory budget left: the pieces that fit are copied to host memory (the
     # layout records them for the next iteration's pool), the rest written now; the GPU tensors are

@@ -21,6 +21,7 @@ writer set the pace, not the disk.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -206,3 +207,150 @@ def _write_chunks(fd: int, work: list, threads: int) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+class StagedLoads:
+    """DeepSpeed's checkpoint engine, each file it loads moved to the GPU by to_device before
+    DeepSpeed copies it into the engine; everything else the wrapped engine's."""
+
+    def __init__(self, inner, device, threads: int):
+        self.inner, self.device, self.threads = inner, device, threads
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, path, map_location=None):
+        state = self.inner.load(path, map_location=map_location)
+        t0 = time.time()
+        state, moved = to_device(state, self.device, self.threads)
+        if moved:
+            seconds = time.time() - t0
+            log.info("%s: %.2f GB moved to the GPU by %d threads in %.1fs (%.2f GB/s)", path, moved / 1e9, self.threads,
+                     seconds, moved / 1e9 / max(seconds, 1e-9))
+        return state
+
+
+@contextlib.contextmanager
+def staged_loads(engine, device, threads: int):
+    """For the duration, `engine`'s checkpoint loads go through StagedLoads (CUDA, threads > 0)."""
+    if getattr(device, "type", None) != "cuda" or threads <= 0:
+        yield
+        return
+    import torch
+
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = StagedLoads(inner, device, threads)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = inner
+        torch.cuda.empty_cache()  # the staged copies are gone: their blocks go back for the update
+
+
+# A loaded tensor smaller than this stays where it was loaded (scalars such as an optimizer's step
+# must stay on the host for torch's optimizers).
+STAGED_MIN_BYTES = 1 << 20
+
+
+def to_device(obj, device, threads: int) -> tuple[object, int]:
+    """(`obj` with its large contiguous host tensors copied to `device`, the bytes copied).
+
+    DeepSpeed copies a loaded checkpoint's host tensors into the engine's GPU tensors one by one
+    from pageable memory (memory-mapped pages of the file, tuning.checkpoint_mmap), one staging
+    copy at a time; here `threads` threads copy them through page-locked buffers of their own
+    first. Only what fits the GPU's free memory moves, less room for DeepSpeed to make one more
+    copy of the largest (ZeRO 1-2 flatten the fp32 partitions they load) and a margin."""
+    import torch
+
+    seen, chosen = set(), []
+    for t in _host_tensors(obj):
+        if id(t) not in seen and t.is_contiguous() and t.numel() * t.element_size() >= STAGED_MIN_BYTES:
+            seen.add(id(t))
+            chosen.append(t)
+    if not chosen:
+        return obj, 0
+    free, _ = torch.cuda.mem_get_info(device)
+    room = free - max(t.numel() * t.element_size() for t in chosen) - (2 << 30)
+    fits = []
+    for t in chosen:
+        size = t.numel() * t.element_size()
+        if size <= room:
+            fits.append(t)
+            room -= size
+    copies = {id(t): torch.empty_like(t, device=device) for t in fits}
+    copy_to_device([(t, copies[id(t)]) for t in fits], threads)
+    return _replaced(obj, copies), sum(t.numel() * t.element_size() for t in fits)
+
+
+def copy_to_device(pairs: list, threads: int) -> None:
+    """Each (contiguous host tensor, CUDA tensor of its size) pair's bytes, in CHUNK_BYTES pieces by
+    `threads` threads, each through two page-locked buffers and a stream of its own: one buffer
+    fills from host memory while the other's copy to the GPU runs."""
+    import torch
+
+    work = iter([(src, dst, start, min(CHUNK_BYTES, src.numel() * src.element_size() - start))
+                 for src, dst in pairs for start in range(0, src.numel() * src.element_size(), CHUNK_BYTES)])
+    lock, errors = threading.Lock(), []
+    device = pairs[0][1].device if pairs else None
+
+    def worker() -> None:
+        try:
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device)
+            buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            done = [None, None]
+            k = 0
+            while not errors:
+                with lock:
+                    item = next(work, None)
+                if item is None:
+                    break
+                src, dst, start, size = item
+                if done[k] is not None:
+                    done[k].synchronize()  # the buffer's last copy to the GPU is over: it may be refilled
+                buffers[k][:size].copy_(src.view(-1).view(torch.uint8)[start:start + size])
+                with torch.cuda.stream(stream):
+                    dst.view(-1).view(torch.uint8)[start:start + size].copy_(buffers[k][:size], non_blocking=True)
+                    done[k] = torch.cuda.Event()
+                    done[k].record(stream)
+                k = 1 - k
+            stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, threads))]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _host_tensors(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _host_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _host_tensors(v)
+
+
+def _replaced(obj, copies: dict):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return copies.get(id(obj), obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the dict's type (OrderedDict)
+        for k, v in obj.items():
+            out[k] = _replaced(v, copies)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_replaced(v, copies) for v in obj)
+    return obj

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.rl import deferred_checkpoint, policy_file
-from stages.rl.serialization import checkpoint_io, threaded_writes
+from stages.rl.serialization import checkpoint_io, staged_loads, threaded_writes
 from stages.runtime import dist, footprint, local_checkpoints, markers
-from stages.runtime.config import zero_stage
+from stages.runtime.config import optimizer_offloaded, zero_stage
 from stages.runtime.stage import MissingInput, StageContext
 
 log = logging.getLogger("syncrl.train")
@@ -57,6 +57,7 @@ class Checkpointer:
     def __init__(self, ctx: StageContext, ds_config: dict, folder: Path | None = None):
         self.ctx = ctx
         self.zero3 = zero_stage(ds_config) == 3
+        self.offloaded = optimizer_offloaded(ds_config)
         self.folder = folder or ctx.paths.checkpoints  # where this rank writes
         # Who renames the staging folder into place: rank 0, or each node's first rank for its node.
         self.writer = ctx.rank == 0 if folder is None else ctx.info.local_rank == 0
@@ -66,7 +67,7 @@ class Checkpointer:
     def resume(self, engine) -> None:
         """The previous iteration's weights and optimizer state into `engine`; then clear what an
         attempt that died mid-write left (nobody writes it before train's engine-ready barrier)."""
-        resume(self.ctx, engine)
+        resume(self.ctx, engine, self.offloaded)
         if self.writer:
             shutil.rmtree(self.folder / self.staging, ignore_errors=True)
 
@@ -241,8 +242,9 @@ class Deferred(Checkpointer):
                  f" to {self.folder}" if self.local else "", write_s, time.time() - t0)
 
 
-def resume(ctx: StageContext, engine) -> None:
-    """Load the previous iteration's checkpoint (weights and optimizer state) into `engine`."""
+def resume(ctx: StageContext, engine, offloaded: bool = False) -> None:
+    """Load the previous iteration's checkpoint (weights and optimizer state) into `engine`, whose
+    optimizer lives on the host where `offloaded`."""
     if ctx.iteration == 0:
         return
     source, tag = previous_checkpoint(ctx)
@@ -250,7 +252,10 @@ def resume(ctx: StageContext, engine) -> None:
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     source / tag, ctx.policy_path())
         return
-    with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap):
+    # The state moves to the GPU before DeepSpeed copies it into the engine, unless the optimizer
+    # lives on the host (offload), where DeepSpeed copies it there.
+    threads = 0 if offloaded or not ctx.cfg.tuning.resume_to_gpu else ctx.cfg.tuning.checkpoint_write_threads
+    with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap), staged_loads(engine, engine.device, threads):
         path, _ = engine.load_checkpoint(str(source), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:

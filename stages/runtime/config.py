@@ -418,6 +418,11 @@ class TuningConfig:
     # tensors' bytes copied and written in 64 MB chunks by this many threads (stages/rl/serialization.py).
     # 0: torch.save alone, as DeepSpeed calls it.
     checkpoint_write_threads: int = 8
+    # Train's resume moves each file's large tensors to the GPU by as many threads, through page-locked
+    # buffers, before DeepSpeed copies them into the engine (which copies from pageable memory one
+    # tensor at a time); what does not fit the GPU's free memory stays on the host. Not with the
+    # optimizer offloaded.
+    resume_to_gpu: bool = True
     # A stage started early (start_early) waits at most this long (s) for the previous stage's marker.
     start_early_wait_s: int = 21600
     # Train, started early, builds its engine and resumes its checkpoint before its turn, as soon as

@@ -18,6 +18,8 @@ torch.utils.serialization.config, which DeepSpeed's torch.save / torch.load go t
   pinned    save.use_pinned_memory_for_d2h = True
   mmap      load.mmap = True (tensors come straight from the page cache the write filled)
   threads   each file through stages/rl/serialization.py's parallel_save (tuning.checkpoint_write_threads: 8)
+  staged    each file's large tensors moved to the GPU by 8 threads before DeepSpeed copies them
+            (serialization.staged_loads, tuning.resume_to_gpu)
 
 syncrl's train and save stages use nocrc+pinned+mmap (stages/rl/serialization.py).
 
@@ -55,10 +57,10 @@ def variant_settings(name: str) -> tuple[dict, dict]:
     """("save" settings, "load" settings) of a variant: "default", or parts of SETTINGS joined by "+"."""
     out = {"save": {}, "load": {}}
     for part in [] if name == "default" else name.split("+"):
-        if part == "threads":
+        if part in ("threads", "staged"):
             continue
         if part not in SETTINGS:
-            raise SystemExit(f"unknown variant part {part!r} in {name!r}: use default or {'+'.join(SETTINGS)}+threads")
+            raise SystemExit(f"unknown variant part {part!r} in {name!r}: use default or {'+'.join(SETTINGS)}+threads+staged")
         section, key, value = SETTINGS[part]
         out[section][key] = value
     return out["save"], out["load"]
@@ -96,7 +98,8 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="trace the last load on rank 0 (torch.profiler)")
     parser.add_argument("--model-dir", default="/tmp/syncrl-bench/base")
     parser.add_argument("--dir", default="/tmp/syncrl-ckpt", help="where checkpoints are written (emptied first)")
-    parser.add_argument("--variants", default="default,nocrc,nocrc+mmap,nocrc+mmap+pinned,nocrc+mmap+pinned+threads")
+    parser.add_argument("--variants", default="default,nocrc,nocrc+mmap,nocrc+mmap+pinned,nocrc+mmap+pinned+threads,"
+                                              "nocrc+mmap+pinned+threads+staged")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the variants, in mirrored order")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -108,7 +111,7 @@ def main() -> int:
     import torch.distributed as tdist
     from torch.utils.serialization import config as ser
 
-    from stages.rl.serialization import threaded_writes
+    from stages.rl.serialization import staged_loads, threaded_writes
     from stages.rl.modeling import load_policy
     from stages.rl.tiny_model import create_base_model
 
@@ -186,8 +189,9 @@ def main() -> int:
             t0 = time.perf_counter()
 
             def load():
-                return engine.load_checkpoint(str(out), tag=name, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+                with staged_loads(engine, device, 8 if "staged" in name.split("+") else 0):
+                    return engine.load_checkpoint(str(out), tag=name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
 
             path, _ = profiled(load, device) if profile else load()
             sync()
