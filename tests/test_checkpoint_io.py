@@ -116,6 +116,27 @@ def test_threaded_writes_wrap_deepspeeds_torch_engine_for_the_write_only():
         assert engine.checkpoint_engine is inner
 
 
+def test_staged_loads_leave_a_cpu_engine_alone_and_keep_the_loaded_states_shape():
+    """The copies to the GPU need CUDA (tests/test_gpu.py); what runs here: no wrapping off CUDA or with
+    no threads, and the state rebuilt around the moved tensors keeps its containers and the rest."""
+    from collections import OrderedDict
+
+    engine = SimpleNamespace(checkpoint_engine=object())
+    inner = engine.checkpoint_engine
+    for device, threads in ((torch.device("cpu"), 8), (torch.device("cuda", 0), 0)):
+        with serialization.staged_loads(engine, device, threads):
+            assert engine.checkpoint_engine is inner
+    big, small = torch.zeros(1 << 19, dtype=torch.float32), torch.tensor(3)
+    state = OrderedDict(opt={"state": {0: {"exp_avg": big, "step": small}}}, fp32=[big, (big, "tag")], n=7)
+    found = list(serialization._host_tensors(state))
+    assert sum(t is big for t in found) == 3 and any(t is small for t in found)
+    moved = big.clone()
+    out = serialization._replaced(state, {id(big): moved})
+    assert type(out) is OrderedDict and out["n"] == 7 and out["fp32"][1][1] == "tag"
+    assert out["opt"]["state"][0]["exp_avg"] is moved and out["opt"]["state"][0]["step"] is small
+    assert out["fp32"][0] is moved and type(out["fp32"][1]) is tuple and out["fp32"][1][0] is moved
+    assert state["fp32"][0] is big  # the loaded state itself is untouched
+
 def run_dir(tmp_path, iterations: int, keep_checkpoints: int, keep_models: int, it: int):
     paths = RunPaths(tmp_path)
     for i in range(iterations):
