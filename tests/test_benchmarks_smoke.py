@@ -222,10 +222,3 @@ def test_compare_trees_runs_the_command_in_each_revision_in_turn(tmp_path):
     assert re.search(r"## slow, round 0: [\d.]+s, timed out", proc.stdout), proc.stdout
     assert re.search(r"## new, round 0: [\d.]+s, exit 0", proc.stdout), proc.stdout
 
-
-def test_policy_write_benchmark_times_each_writer_and_checks_the_files(tmp_path):
-    out = run(["tests/benchmarks/policy_write.py", "--preset", "tiny-llama", "--threads", "1,2", "--repeats", "2",
-               "--dir", str(tmp_path / "p")])
-    assert "tiny-llama: " in out and all(re.search(rf"^{w} +[0-9.]+ s +[0-9.]+ GB/s", out, re.M)
-                                         for w in ("safetensors", "threads=1", "threads=2")), out
-    assert not (tmp_path / "p").exists()
