@@ -252,27 +252,3 @@ def test_grouped_query_attention_takes_the_products_at_every_prefix(models, monk
     assert len(prefixes) == config.num_hidden_layers * dec.stats.steps > 0
     assert max(prefixes) > 16
     assert_teacher_forced(model, prompts, 2, ids, lps, 1.0, "cpu")
-
-
-def test_the_prefill_runs_without_cudnns_attention(models):
-    """Each call's prefill has a shape of its own, for which cuDNN's attention would build an execution
-    plan in every fresh generate process: the prefill's passes leave cuDNN out of SDPA's choice (the
-    switch is torch's on any device; cuDNN itself runs on a GPU only) and the decode steps are as before."""
-    model, tok, frequent = models("cpu")
-    seen = []
-    forward = model.forward
-
-    def recorded(*args, **kwargs):
-        seen.append((kwargs["input_ids"].shape[1], torch.backends.cuda.cudnn_sdp_enabled()))
-        return forward(*args, **kwargs)
-
-    model.forward = recorded
-    try:
-        params = SamplingParams(max_new_tokens=6, temperature=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)
-        decode(model, prompt_ids(tok), 2, params, seed=0, graphs=False)
-    finally:
-        del model.forward
-    prefill = [enabled for width, enabled in seen if width > 1]
-    steps = [enabled for width, enabled in seen if width == 1]
-    assert prefill and not any(prefill)
-    assert steps and all(steps) == torch.backends.cuda.cudnn_sdp_enabled()

@@ -40,9 +40,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.attention import sdpa_kernel
-
-from stages.rl.batches import PASS_BACKENDS
 
 log = logging.getLogger("syncrl.generate")
 
@@ -643,11 +640,8 @@ class CompactDecoder:
             allowed = causal.unsqueeze(0) & real[i:j].unsqueeze(1)  # [n, q, k]
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, neg)
             self.cache.set_prefill_rows(first_rows[i:j])
-            # Not cuDNN's attention: every call's prefill has a shape of its own (rows, prompt width),
-            # and cuDNN would build an execution plan for each, in every fresh generate process.
-            with sdpa_kernel(PASS_BACKENDS):
-                out = self.model(input_ids=ids[i:j], position_ids=positions[i:j], attention_mask=mask.unsqueeze(1),
-                                 use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
+            out = self.model(input_ids=ids[i:j], position_ids=positions[i:j], attention_mask=mask.unsqueeze(1),
+                             use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
             self.logits[first_rows[i:j]] = out.logits[:, -1].float()
         self.cache.set_prefill_rows(None)
         n_seq = sum(counts)
