@@ -67,7 +67,8 @@ class Checkpointer:
     def resume(self, engine) -> None:
         """The previous iteration's weights and optimizer state into `engine`; then clear what an
         attempt that died mid-write left (nobody writes it before train's engine-ready barrier)."""
-        resume(self.ctx, engine, self.offloaded)
+        # ZeRO-3 loads through its own partitioning path, which has not run with the staged copies.
+        resume(self.ctx, engine, staged=not (self.offloaded or self.zero3))
         if self.writer:
             shutil.rmtree(self.folder / self.staging, ignore_errors=True)
 
@@ -242,9 +243,9 @@ class Deferred(Checkpointer):
                  f" to {self.folder}" if self.local else "", write_s, time.time() - t0)
 
 
-def resume(ctx: StageContext, engine, offloaded: bool = False) -> None:
-    """Load the previous iteration's checkpoint (weights and optimizer state) into `engine`, whose
-    optimizer lives on the host where `offloaded`."""
+def resume(ctx: StageContext, engine, staged: bool = False) -> None:
+    """Load the previous iteration's checkpoint (weights and optimizer state) into `engine`; with
+    `staged` and tuning.resume_to_gpu, each file's large tensors moved to the GPU first."""
     if ctx.iteration == 0:
         return
     source, tag = previous_checkpoint(ctx)
@@ -252,9 +253,9 @@ def resume(ctx: StageContext, engine, offloaded: bool = False) -> None:
         log.warning("checkpoint %s not found: optimizer state starts fresh (weights come from %s)",
                     source / tag, ctx.policy_path())
         return
-    # The state moves to the GPU before DeepSpeed copies it into the engine, unless the optimizer
+    # The state moves to the GPU before DeepSpeed copies it into the engine; not where the optimizer
     # lives on the host (offload), where DeepSpeed copies it there.
-    threads = 0 if offloaded or not ctx.cfg.tuning.resume_to_gpu else ctx.cfg.tuning.checkpoint_write_threads
+    threads = ctx.cfg.tuning.checkpoint_write_threads if staged and ctx.cfg.tuning.resume_to_gpu else 0
     with checkpoint_io(ctx.cfg.tuning.checkpoint_mmap), staged_loads(engine, engine.device, threads):
         path, _ = engine.load_checkpoint(str(source), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)

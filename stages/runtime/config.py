@@ -421,7 +421,7 @@ class TuningConfig:
     # Train's resume moves each file's large tensors to the GPU by as many threads, through page-locked
     # buffers, before DeepSpeed copies them into the engine (which copies from pageable memory one
     # tensor at a time); what does not fit the GPU's free memory stays on the host. Not with the
-    # optimizer offloaded.
+    # optimizer offloaded, nor under ZeRO-3.
     resume_to_gpu: bool = True
     # A stage started early (start_early) waits at most this long (s) for the previous stage's marker.
     start_early_wait_s: int = 21600
