@@ -128,10 +128,10 @@ def test_staged_loads_leave_a_cpu_engine_alone_and_keep_the_loaded_states_shape(
             assert engine.checkpoint_engine is inner
     big, small = torch.zeros(1 << 19, dtype=torch.float32), torch.tensor(3)
     state = OrderedDict(opt={"state": {0: {"exp_avg": big, "step": small}}}, fp32=[big, (big, "tag")], n=7)
-    found = list(serialization._host_tensors(state))
+    found = list(serialization.tensors_in(state))
     assert sum(t is big for t in found) == 3 and any(t is small for t in found)
     moved = big.clone()
-    out = serialization._replaced(state, {id(big): moved})
+    out = serialization.rebuilt(state, lambda t: moved if t is big else t)
     assert type(out) is OrderedDict and out["n"] == 7 and out["fp32"][1][1] == "tag"
     assert out["opt"]["state"][0]["exp_avg"] is moved and out["opt"]["state"][0]["step"] is small
     assert out["fp32"][0] is moved and type(out["fp32"][1]) is tuple and out["fp32"][1][0] is moved

@@ -257,7 +257,7 @@ def test_a_deferred_checkpoint_snapshot_copies_every_byte():
     # chunk, views, a tied pair, an empty and a 0-dim tensor, several dtypes.
     import torch
 
-    from stages.rl import deferred_checkpoint as dc
+    from stages.rl import deferred_checkpoint as dc, serialization
 
     g = torch.Generator(device="cuda").manual_seed(0)
     big = torch.randn((dc.STAGING_BYTES // 4) * 2 + 12345, device="cuda", generator=g)
@@ -268,7 +268,7 @@ def test_a_deferred_checkpoint_snapshot_copies_every_byte():
                             "ints": torch.arange(77777, device="cuda", dtype=torch.int64)}],
              "host": torch.ones(3), "meta": ("x", 1)}
     host = dc.to_host(state)
-    flat = [(a, b) for a, b in zip(dc._tensors(state), dc._tensors(host))]
+    flat = [(a, b) for a, b in zip(serialization.tensors_in(state), serialization.tensors_in(host))]
     assert all(b.device.type == "cpu" and b.dtype == a.dtype and b.shape == a.shape and torch.equal(b, a.cpu())
                for a, b in flat)
     assert host["module"]["a"] is host["module"]["tied"] and host["host"] is state["host"]

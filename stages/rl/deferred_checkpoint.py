@@ -19,7 +19,6 @@ snapshot, and the budget counts both.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import errno
 import itertools
@@ -215,7 +214,7 @@ def state_bytes(obj, host_too: bool = False) -> int:
     """Bytes a snapshot copies: the distinct accelerator tensors of a (nested) state (views of one
     storage counted once; host tensors are kept, not copied). host_too: every tensor's."""
     seen, total = set(), 0
-    for t in _tensors(obj):
+    for t in serialization.tensors_in(obj):
         if t.device.type == "cpu" and not host_too:
             continue
         key = _view_key(t)
@@ -234,13 +233,13 @@ def to_host(obj, layout: list | None = None, pool: HostPool | None = None):
     change. A tensor that appears twice (tied weights) is copied once and appears twice in the
     result, as torch.save keeps shared storage."""
     memo = {}
-    for t in _tensors(obj):
+    for t in serialization.tensors_in(obj):
         if t.device.type != "cpu":
             memo.setdefault(_view_key(t), t)
     if layout is not None:
         layout += [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in memo.values()]
     copies = dict(zip(memo, copy_to_host(list(memo.values()), pool)))
-    return _rebuilt(obj, copies)
+    return serialization.rebuilt(obj, lambda t: t if t.device.type == "cpu" else copies[_view_key(t)])
 
 
 def write_layout(ctx, writes: DeferredWrites) -> None:
@@ -406,19 +405,6 @@ def snapshot_budget(ctx, folder: Path, held: int = 0) -> int:
     return snapshot_budget_bytes(available_host_bytes(), ranks_per_node, memory_backed(folder), held)
 
 
-def _rebuilt(obj, copies: dict):
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device.type == "cpu" else copies[_view_key(obj)]
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the dict's type (OrderedDict, defaultdict's factory)
-        for k, v in obj.items():
-            out[k] = _rebuilt(v, copies)
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_rebuilt(v, copies) for v in obj)
-    return obj
-
-
 # Page-locked buffers the CUDA copies into pageable memory go through (two: one fills from the GPU
 # while the other is copied out): far faster than tensor.to("cpu") into fresh pageable memory
 # (tests/benchmarks/snapshot_copy.py). Page-locking the whole snapshot is faster still, but costs
@@ -483,17 +469,6 @@ def _drain(buffers, filled, pending) -> None:
     j, dst, n = pending
     filled[j].synchronize()
     dst.copy_(buffers[j][:n])
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def _view_key(t: torch.Tensor) -> tuple:

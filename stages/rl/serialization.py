@@ -171,36 +171,44 @@ def _write_chunks(fd: int, work: list, threads: int) -> None:
     """Each (storage, file offset, storage offset, bytes) by one of `threads` threads; the first error stops all."""
     import torch
 
-    lock, errors, items = threading.Lock(), [], iter(work)
-
-    def worker() -> None:
+    def worker(take) -> None:
         staging, stream = None, None
-        while not errors:
-            with lock:
-                item = next(items, None)
-            if item is None:
-                return
+        while (item := take()) is not None:
             storage, at, start, size = item
-            try:
-                source = storage_bytes(storage)[start:start + size]
-                if source.device.type not in ("cpu", "cuda"):
-                    source = source.cpu()
-                elif source.device.type == "cuda":
-                    if staging is None:
-                        staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-                        stream = torch.cuda.Stream(source.device)
-                    with torch.cuda.stream(stream):
-                        staging[:size].copy_(source, non_blocking=True)
-                    stream.synchronize()
-                    source = staging[:size]
-                view, written = memoryview(source.numpy()).cast("B"), 0
-                while written < size:  # a write may take fewer bytes than asked
-                    written += os.pwrite(fd, view[written:], at + written)
-            except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
-                errors.append(e)
-                return
+            source = storage_bytes(storage)[start:start + size]
+            if source.device.type not in ("cpu", "cuda"):
+                source = source.cpu()
+            elif source.device.type == "cuda":
+                if staging is None:
+                    staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+                    stream = torch.cuda.Stream(source.device)
+                with torch.cuda.stream(stream):
+                    staging[:size].copy_(source, non_blocking=True)
+                stream.synchronize()
+                source = staging[:size]
+            view, written = memoryview(source.numpy()).cast("B"), 0
+            while written < size:  # a write may take fewer bytes than asked
+                written += os.pwrite(fd, view[written:], at + written)
 
-    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    in_threads(work, threads, worker)
+
+
+def in_threads(items, threads: int, worker) -> None:
+    """worker(take) in each of `threads` threads, take() giving the next of `items` (None once they
+    are all taken or a thread has failed); the first error is raised here, in the caller's thread."""
+    lock, errors, items = threading.Lock(), [], iter(items)
+
+    def take():
+        with lock:
+            return None if errors else next(items, None)
+
+    def run() -> None:
+        try:
+            worker(take)
+        except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+            errors.append(e)
+
+    pool = [threading.Thread(target=run, daemon=True) for _ in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
@@ -263,8 +271,8 @@ def to_device(obj, device, threads: int) -> tuple[object, int]:
     import torch
 
     seen, chosen = set(), []
-    for t in _host_tensors(obj):
-        if id(t) not in seen and t.is_contiguous() and t.numel() * t.element_size() >= STAGED_MIN_BYTES:
+    for t in tensors_in(obj):
+        if t.device.type == "cpu" and id(t) not in seen and t.is_contiguous() and t.numel() * t.element_size() >= STAGED_MIN_BYTES:
             seen.add(id(t))
             chosen.append(t)
     if not chosen:
@@ -279,7 +287,7 @@ def to_device(obj, device, threads: int) -> tuple[object, int]:
             room -= size
     copies = {id(t): torch.empty_like(t, device=device) for t in fits}
     copy_to_device([(t, copies[id(t)]) for t in fits], threads)
-    return _replaced(obj, copies), sum(t.numel() * t.element_size() for t in fits)
+    return rebuilt(obj, lambda t: copies.get(id(t), t)), sum(t.numel() * t.element_size() for t in fits)
 
 
 def copy_to_device(pairs: list, threads: int) -> None:
@@ -288,69 +296,57 @@ def copy_to_device(pairs: list, threads: int) -> None:
     fills from host memory while the other's copy to the GPU runs."""
     import torch
 
-    work = iter([(src, dst, start, min(CHUNK_BYTES, src.numel() * src.element_size() - start))
-                 for src, dst in pairs for start in range(0, src.numel() * src.element_size(), CHUNK_BYTES)])
-    lock, errors = threading.Lock(), []
+    work = [(src, dst, start, min(CHUNK_BYTES, src.numel() * src.element_size() - start))
+            for src, dst in pairs for start in range(0, src.numel() * src.element_size(), CHUNK_BYTES)]
     device = pairs[0][1].device if pairs else None
 
-    def worker() -> None:
-        try:
-            torch.cuda.set_device(device)
-            stream = torch.cuda.Stream(device)
-            buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            done = [None, None]
-            k = 0
-            while not errors:
-                with lock:
-                    item = next(work, None)
-                if item is None:
-                    break
-                src, dst, start, size = item
-                if done[k] is not None:
-                    done[k].synchronize()  # the buffer's last copy to the GPU is over: it may be refilled
-                buffers[k][:size].copy_(src.view(-1).view(torch.uint8)[start:start + size])
-                with torch.cuda.stream(stream):
-                    dst.view(-1).view(torch.uint8)[start:start + size].copy_(buffers[k][:size], non_blocking=True)
-                    done[k] = torch.cuda.Event()
-                    done[k].record(stream)
-                k = 1 - k
-            stream.synchronize()
-        except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
-            errors.append(e)
+    def worker(take) -> None:
+        torch.cuda.set_device(device)
+        stream = torch.cuda.Stream(device)
+        buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        done = [None, None]
+        k = 0
+        while (item := take()) is not None:
+            src, dst, start, size = item
+            if done[k] is not None:
+                done[k].synchronize()  # the buffer's last copy to the GPU is over: it may be refilled
+            buffers[k][:size].copy_(src.view(-1).view(torch.uint8)[start:start + size])
+            with torch.cuda.stream(stream):
+                dst.view(-1).view(torch.uint8)[start:start + size].copy_(buffers[k][:size], non_blocking=True)
+                done[k] = torch.cuda.Event()
+                done[k].record(stream)
+            k = 1 - k
+        stream.synchronize()
 
-    pool = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, threads))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    in_threads(work, max(1, threads), worker)
 
 
-def _host_tensors(obj):
+def tensors_in(obj):
+    """Every tensor of a (nested) state of dicts, lists and tuples, in order, repeats included."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu":
-            yield obj
+        yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _host_tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _host_tensors(v)
+            yield from tensors_in(v)
 
 
-def _replaced(obj, copies: dict):
+def rebuilt(obj, replace):
+    """A copy of the (nested) state with each tensor t as replace(t); dicts keep their type (OrderedDict,
+    defaultdict's factory), lists and tuples theirs; anything else is kept as it is."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return copies.get(id(obj), obj)
+        return replace(obj)
     if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the dict's type (OrderedDict)
+        out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = _replaced(v, copies)
+            out[k] = rebuilt(v, replace)
         return out
     if type(obj) in (list, tuple):
-        return type(obj)(_replaced(v, copies) for v in obj)
+        return type(obj)(rebuilt(v, replace) for v in obj)
     return obj
