@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from stages.rl import decoding, prompts, tensor_parallel
+from stages.rl import decoding, prompts, rehearsal, tensor_parallel
 from stages.rl.batches import completion_logprobs
-from stages.rl.modeling import device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
+from stages.rl.modeling import DTYPES, device_for, load_policy, load_tokenizer, preload_model_code, set_cpu_threads
 from stages.rl.vllm_sampler import VllmSampler
 from stages.runtime.engine_link import EngineClient
 from stages.runtime.config import TuningConfig
@@ -272,5 +272,42 @@ def sample_generate(model, tokenizer, items: list[dict], g, device) -> tuple[lis
     return prompt_ids, sequences[:, width:].tolist()
 
 
+def preload(ctx: StageContext):
+    """What a generate process started early does before its turn: the model code's imports, then, on
+    a GPU with the compact sampler in this process, a rehearsal of its call on a one-layer model
+    (stages/rl/rehearsal.py), so that the first call finds its kernels and libraries loaded. Returns
+    the base model's config."""
+    config = preload_model_code(ctx)
+    g = ctx.cfg.generate
+    if not torch.cuda.is_available() or g.backend != "hf" or g.cache != "compact" or g.gpus_per_process > 1:
+        return config
+    if ctx.turn_came():
+        log.info("no rehearsal of the sampler: the turn came while preloading")
+        return config
+    t0 = time.time()
+    rehearse_sampler(ctx, config)
+    ctx.preload_phases["rehearsal"] = round(time.time() - t0, 3)
+    return config
+
+
+def rehearse_sampler(ctx: StageContext, config) -> None:
+    """rehearsal.rehearse_sampling on this rank's GPU where it fits beside the stage that holds it. It
+    only saves time: a failure is logged, and the first call loads what it needs itself."""
+    cfg = ctx.cfg
+    device = device_for(ctx.info.local_rank)
+    dtype = DTYPES[cfg.model.dtype]
+    skip = rehearsal.sampling_skip_reason(config, dtype, torch.cuda.get_device_properties(device).total_memory)
+    if skip:
+        log.info("no rehearsal of the sampler before the turn: %s", skip)
+        return
+    try:
+        seconds = rehearsal.rehearse_sampling(config, dtype, cfg.tuning, cfg.generate, device)
+    except Exception as e:  # noqa: BLE001 (any failure here only costs the first call its loads)
+        log.warning("rehearsing the sampler before the turn failed (%s: %s); the first call loads its kernels "
+                    "itself", type(e).__name__, e)
+        return
+    log.info("rehearsed the sampler on a one-layer model before the turn in %.1fs: its kernels are loaded", seconds)
+
+
 if __name__ == "__main__":
-    run_stage("generate", main, preload=preload_model_code)
+    run_stage("generate", main, preload=preload)

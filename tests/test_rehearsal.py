@@ -121,6 +121,25 @@ def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu
+def test_the_sampling_rehearsal_stays_inside_its_share_of_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from stages.runtime.config import GenerateConfig
+
+    device = torch.device("cuda", 0)
+    cfg = shape_config("llama3-3b-shape")
+    cfg.vocab_size, cfg.tie_word_embeddings = 128256, True  # the real one's
+    torch.zeros(1, device=device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    seconds = rehearsal.rehearse_sampling(cfg, torch.bfloat16, TuningConfig(), GenerateConfig(), device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    assert seconds > 0 and torch.cuda.max_memory_allocated(device) <= rehearsal.GPU_SHARE * total
+    assert rehearsal.sampling_skip_reason(cfg, torch.bfloat16, total) is None
+    assert torch.cuda.memory_reserved(device) < 2**30  # handed back before the turn
+
+
 def test_a_preload_sees_its_turn_come_and_skips_what_only_saves_time(tmp_path):
     # stages/runtime/stage.py wait_for_turn: a process started early runs its preload before waiting for
     # the turn's file; train's preload rehearses only while the turn has not come (the rehearsal saves
@@ -184,3 +203,65 @@ def test_a_process_started_early_leaves_what_its_preload_loaded_out_of_later_col
     out = subprocess.run([sys.executable, "-c", FREEZE_CHECK, str(tmp_path / "gather.done")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "checked" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_sampling_rehearsal_runs_both_kinds_of_call_and_leaves_the_generators(monkeypatch):
+    # generate's rehearsal before its turn: the compact sampler's calls (prefill, decode steps) on a
+    # one-layer model, one with short prompts and one with prompts the decode kernel reads once for
+    # their attempts; what it saves the first call is measured on a GPU.
+    from stages.rl import decoding
+    from stages.runtime.config import GenerateConfig
+
+    calls = []
+    original = decoding.CompactDecoder.sample
+
+    def sample(self, prompts, attempts, params, generator, record_logprobs=False):
+        out = original(self, prompts, attempts, params, generator, record_logprobs=record_logprobs)
+        calls.append((sorted(len(p) for p in prompts), attempts, self.stats.steps, record_logprobs,
+                      len(self.model.model.layers)))
+        return out
+
+    monkeypatch.setattr(decoding.CompactDecoder, "sample", sample)
+    before = torch.random.get_rng_state()
+    # The fused layers' kernels go through Triton's interpreter here, minutes for these prompts: the
+    # rehearsal's use of them is train's (test_the_rehearsal_runs_the_micro_steps_pieces).
+    tuning = TuningConfig(fused_layers=False)
+    seconds = rehearsal.rehearse_sampling(config(), torch.float32, tuning, GenerateConfig(top_p=0.9), "cpu")
+    assert seconds > 0
+    assert torch.equal(torch.random.get_rng_state(), before)  # generate's seeded draws are not moved
+    share = decoding.SHARE_PROMPTS_FROM
+    assert [c[0] for c in calls] == [[11, 16], [share - 5, share]]
+    assert all(c[1] == rehearsal.ATTEMPTS and c[2] == rehearsal.NEW_TOKENS - 1 and c[3] and c[4] == 1 for c in calls)
+
+
+def test_the_sampling_rehearsal_is_skipped_where_one_layer_would_take_more_than_its_share():
+    eight = shape_config("llama3-8b-shape")
+    eight.vocab_size, eight.tie_word_embeddings = 128256, False  # the real one's: ~2.5 GB, mostly the embeddings
+    assert rehearsal.sampling_skip_reason(eight, torch.bfloat16, 80 * 10**9) is None
+    assert rehearsal.sampling_skip_reason(eight, torch.bfloat16, H200) is None
+    assert "over 5% of the GPU's 40 GB" in rehearsal.sampling_skip_reason(eight, torch.bfloat16, 40 * 10**9)
+
+
+def test_generate_rehearses_only_with_the_compact_sampler_on_a_gpu_before_its_turn(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from stages import generate
+    from stages.runtime.config import GenerateConfig
+
+    ran = []
+    monkeypatch.setattr(generate, "preload_model_code", lambda ctx: "config")
+    monkeypatch.setattr(generate, "rehearse_sampler", lambda ctx, config: ran.append(config))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # this machine has none: the choice alone
+    turn = []
+
+    def ctx(**g):
+        return SimpleNamespace(cfg=SimpleNamespace(generate=GenerateConfig(**g)), turn_came=lambda: bool(turn),
+                               preload_phases={})
+
+    c = ctx()
+    assert generate.preload(c) == "config" and ran == ["config"] and "rehearsal" in c.preload_phases
+    for other in (dict(backend="vllm"), dict(cache="static"), dict(gpus_per_process=2)):
+        assert generate.preload(ctx(**other)) == "config"
+    turn.append(1)
+    assert generate.preload(ctx()) == "config"
+    assert ran == ["config"]

@@ -88,22 +88,12 @@ def memory_cap(device: torch.device):
 
 
 def _rehearse(config, dtype, tuning, train_cfg, temperature, device) -> float:
-    from transformers import AutoModelForCausalLM
-
     from stages.rl import grad_norm, packing
     from stages.rl.batches import collate, sequence_logprobs
     from stages.rl.loss import ppo_clip_loss
-    from stages.rl.modeling import fuse_rms_norms
 
     t0 = time.time()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(one_layer(config), dtype=dtype).to(device)
-    if tuning.fused_rms_norm:
-        fuse_rms_norms(model)
-    if tuning.fused_layers:
-        from stages.rl.fused_layers import fuse_layers
-
-        fuse_layers(model)
+    model = one_layer_model(config, dtype, tuning, device)
     if tuning.remove_padding:
         packing.use_packed_attention(model)
     model.train()
@@ -121,6 +111,82 @@ def _rehearse(config, dtype, tuning, train_cfg, temperature, device) -> float:
     grad_norm.clip_([m.grad for m in masters], train_cfg.max_grad_norm)
     fused = {"fused": True} if device.type == "cuda" else {}
     torch.optim.AdamW(masters, lr=1e-6, **fused).step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time() - t0
+
+
+def one_layer_model(config, dtype: torch.dtype, tuning, device):
+    """A one-layer model of `config`'s architecture on `device`, its kernels as tuning has the policy's
+    (seeded: the same weights every time)."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl.modeling import fuse_rms_norms
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(one_layer(config), dtype=dtype).to(device)
+    if tuning.fused_rms_norm:
+        fuse_rms_norms(model)
+    if tuning.fused_layers:
+        from stages.rl.fused_layers import fuse_layers
+
+        fuse_layers(model)
+    return model
+
+
+# The sampling rehearsal: calls of two prompts each sampled ATTEMPTS times for NEW_TOKENS tokens,
+# one with short prompts and one with prompts long enough for the decode kernel to read each prompt
+# once for its attempts (decoding.SHARE_PROMPTS_FROM): each loads its own kernel variants.
+ATTEMPTS, NEW_TOKENS = 4, 8
+
+
+def sample_widths() -> list[tuple[int, int]]:
+    from stages.rl import decoding
+
+    return [(16, 11), (decoding.SHARE_PROMPTS_FROM, decoding.SHARE_PROMPTS_FROM - 5)]
+
+
+def sampling_skip_reason(config, dtype: torch.dtype, gpu_bytes: int) -> str | None:
+    """Why the sampling rehearsal would not fit beside the stage that holds the GPU (None: run it)."""
+    d, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv = d * getattr(config, "num_key_value_heads", heads) // heads
+    params = 2 * d * d + 2 * d * kv + 3 * d * inter + vocab * d * (1 if config.tie_word_embeddings else 2)
+    rows = 2 * ATTEMPTS
+    # The weights, and per row its float32 logits and their sorted copy (top-p), with room to spare.
+    need = params * (torch.finfo(dtype).bits // 8) + 4 * rows * vocab * 4
+    if need > GPU_SHARE * gpu_bytes:
+        return (f"a one-layer model of this architecture needs ~{need / 1e9:.1f} GB, over {GPU_SHARE:.0%} of the "
+                f"GPU's {gpu_bytes / 1e9:.0f} GB")
+    return None
+
+
+def rehearse_sampling(config, dtype: torch.dtype, tuning, generate_cfg, device) -> float:
+    """Two calls of the compact sampler (prefill, decode steps, their CUDA graphs where tuning has them)
+    on a one-layer model of the policy's architecture on `device`, as a generate process started early
+    runs it before its turn; returns its seconds. Nothing is kept but what the process loaded: the
+    first call of a fresh process otherwise loads its kernels and libraries on the critical path. The
+    random number generators are left as they were."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), memory_cap(device):
+        return _rehearse_sampling(config, dtype, tuning, generate_cfg, device)
+
+
+@torch.no_grad()
+def _rehearse_sampling(config, dtype, tuning, g, device) -> float:
+    from stages.rl import decoding
+
+    t0 = time.time()
+    model = one_layer_model(config, dtype, tuning, device).eval()
+    g_ids = torch.Generator().manual_seed(0)
+    for widths in sample_widths():
+        prompts = [torch.randint(0, config.vocab_size, (w,), generator=g_ids).tolist() for w in widths]
+        sampler = decoding.CompactDecoder(model, len(prompts) * ATTEMPTS, decoding.buffer_length(max(widths), NEW_TOKENS),
+                                          cuda_graphs=tuning.decode_graphs, decode_kernel=tuning.decode_kernel)
+        params = decoding.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=g.temperature, top_p=g.top_p,
+                                         eos_token_id=-1, pad_token_id=0)
+        sampler.sample(prompts, ATTEMPTS, params, torch.Generator(device).manual_seed(0),
+                       record_logprobs=tuning.logprobs_from_sampler(g))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time() - t0
