@@ -44,11 +44,23 @@ def skip_reason(config, dtype: torch.dtype, ds_config: dict, gpu_bytes: int) -> 
         return "ZeRO-3 runs each layer through its gathering hooks, which a one-layer model has not"
     if optimizer_offloaded(ds_config):
         return "the optimizer is offloaded (its step runs on the host)"
-    need = memory_bytes(config, dtype)
+    return over_share(memory_bytes(config, dtype), gpu_bytes)
+
+
+def over_share(need: int, gpu_bytes: int) -> str | None:
+    """Why a rehearsal needing `need` bytes would not fit beside the stage that holds the GPU (None: it fits)."""
     if need > GPU_SHARE * gpu_bytes:
         return (f"a one-layer model of this architecture needs ~{need / 1e9:.1f} GB, over {GPU_SHARE:.0%} of the "
                 f"GPU's {gpu_bytes / 1e9:.0f} GB")
     return None
+
+
+def one_layer_parameters(config) -> int:
+    """The parameters of a one-layer model of `config`'s architecture (embeddings included)."""
+    d, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv = d * getattr(config, "num_key_value_heads", heads) // heads
+    return 2 * d * d + 2 * d * kv + 3 * d * inter + vocab * d * (1 if config.tie_word_embeddings else 2)
 
 
 def memory_bytes(config, dtype: torch.dtype) -> int:
@@ -56,13 +68,11 @@ def memory_bytes(config, dtype: torch.dtype) -> int:
     `dtype`, their fp32 copies, gradients and AdamW moments, and the activations of its batch (the
     layer's and the float32 logits)."""
     d, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    heads = config.num_attention_heads
-    kv = d * getattr(config, "num_key_value_heads", heads) // heads
-    params = 2 * d * d + 2 * d * kv + 3 * d * inter + vocab * d * (1 if config.tie_word_embeddings else 2)
     size = torch.finfo(dtype).bits // 8
     positions = ROWS * (PROMPT + COMPLETION)
     activations = positions * ((8 * d + 4 * inter) * size + 3 * vocab * 4)
-    return params * (2 * size + 16) + activations
+    return one_layer_parameters(config) * (2 * size + 16) + activations
+
 
 def rehearse(config, dtype: torch.dtype, tuning, train_cfg, temperature: float, device) -> float:
     """Run the rehearsal on `device` for a policy of HF `config`; returns its seconds. The process's
@@ -148,17 +158,10 @@ def sample_widths() -> list[tuple[int, int]]:
 
 def sampling_skip_reason(config, dtype: torch.dtype, gpu_bytes: int) -> str | None:
     """Why the sampling rehearsal would not fit beside the stage that holds the GPU (None: run it)."""
-    d, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    heads = config.num_attention_heads
-    kv = d * getattr(config, "num_key_value_heads", heads) // heads
-    params = 2 * d * d + 2 * d * kv + 3 * d * inter + vocab * d * (1 if config.tie_word_embeddings else 2)
     rows = 2 * ATTEMPTS
     # The weights, and per row its float32 logits and their sorted copy (top-p), with room to spare.
-    need = params * (torch.finfo(dtype).bits // 8) + 4 * rows * vocab * 4
-    if need > GPU_SHARE * gpu_bytes:
-        return (f"a one-layer model of this architecture needs ~{need / 1e9:.1f} GB, over {GPU_SHARE:.0%} of the "
-                f"GPU's {gpu_bytes / 1e9:.0f} GB")
-    return None
+    need = one_layer_parameters(config) * (torch.finfo(dtype).bits // 8) + 4 * rows * config.vocab_size * 4
+    return over_share(need, gpu_bytes)
 
 
 def rehearse_sampling(config, dtype: torch.dtype, tuning, generate_cfg, device) -> float:
