@@ -98,15 +98,22 @@ def test_the_rehearsal_is_skipped_where_one_layer_would_take_more_than_its_share
     assert rehearsal.skip_reason(eight, torch.bfloat16, ZERO2, 80 * 10**9) is not None
 
 
-@pytest.mark.gpu
-def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
+@pytest.fixture
+def gpu():
+    """GPU 0, its allocator's cache emptied and its peak statistics reset (the test skips without one)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     device = torch.device("cuda", 0)
-    cfg = shape_config("llama3-3b-shape")
     torch.zeros(1, device=device)  # the allocator's statistics exist once it has served the device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    return device
+
+
+@pytest.mark.gpu
+def test_the_rehearsal_stays_inside_its_share_of_the_gpu(gpu):
+    device = gpu
+    cfg = shape_config("llama3-3b-shape")
     rehearsal.rehearse(cfg, torch.bfloat16, TuningConfig(), TrainConfig(), 1.0, device)
     peak = torch.cuda.max_memory_allocated(device)
     total = torch.cuda.get_device_properties(device).total_memory
@@ -122,17 +129,12 @@ def test_the_rehearsal_stays_inside_its_share_of_the_gpu():
 
 
 @pytest.mark.gpu
-def test_the_sampling_rehearsal_stays_inside_its_share_of_the_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+def test_the_sampling_rehearsal_stays_inside_its_share_of_the_gpu(gpu):
     from stages.runtime.config import GenerateConfig
 
-    device = torch.device("cuda", 0)
+    device = gpu
     cfg = shape_config("llama3-3b-shape")
     cfg.vocab_size, cfg.tie_word_embeddings = 128256, True  # the real one's
-    torch.zeros(1, device=device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     seconds = rehearsal.rehearse_sampling(cfg, torch.bfloat16, TuningConfig(), GenerateConfig(), device)
     total = torch.cuda.get_device_properties(device).total_memory
     assert seconds > 0 and torch.cuda.max_memory_allocated(device) <= rehearsal.GPU_SHARE * total
