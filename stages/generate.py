@@ -294,19 +294,10 @@ def rehearse_sampler(ctx: StageContext, config) -> None:
     """rehearsal.rehearse_sampling on this rank's GPU where it fits beside the stage that holds it. It
     only saves time: a failure is logged, and the first call loads what it needs itself."""
     cfg = ctx.cfg
-    device = device_for(ctx.info.local_rank)
-    dtype = DTYPES[cfg.model.dtype]
+    device, dtype = device_for(ctx.info.local_rank), DTYPES[cfg.model.dtype]
     skip = rehearsal.sampling_skip_reason(config, dtype, torch.cuda.get_device_properties(device).total_memory)
-    if skip:
-        log.info("no rehearsal of the sampler before the turn: %s", skip)
-        return
-    try:
-        seconds = rehearsal.rehearse_sampling(config, dtype, cfg.tuning, cfg.generate, device)
-    except Exception as e:  # noqa: BLE001 (any failure here only costs the first call its loads)
-        log.warning("rehearsing the sampler before the turn failed (%s: %s); the first call loads its kernels "
-                    "itself", type(e).__name__, e)
-        return
-    log.info("rehearsed the sampler on a one-layer model before the turn in %.1fs: its kernels are loaded", seconds)
+    rehearsal.before_turn("the sampler", "on", "the first call", skip, lambda: rehearsal.rehearse_sampling(
+        config, dtype, cfg.tuning, cfg.generate, device))
 
 
 if __name__ == "__main__":

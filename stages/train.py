@@ -268,20 +268,10 @@ def rehearse_step(ctx: StageContext, config, ds_config: dict) -> None:
     if not torch.cuda.is_available():
         return
     cfg = ctx.cfg
-    device = device_for(ctx.info.local_rank)
-    skip = rehearsal.skip_reason(config, DTYPES[cfg.model.dtype], ds_config,
-                                 torch.cuda.get_device_properties(device).total_memory)
-    if skip:
-        log.info("no rehearsal of a micro-step before the turn: %s", skip)
-        return
-    try:
-        seconds = rehearsal.rehearse(config, DTYPES[cfg.model.dtype], cfg.tuning, cfg.train, cfg.generate.temperature,
-                                     device)
-    except Exception as e:  # noqa: BLE001 (any failure here only costs the first micro-batch its loads)
-        log.warning("rehearsing a micro-step before the turn failed (%s: %s); the first micro-batch loads its "
-                    "kernels itself", type(e).__name__, e)
-        return
-    log.info("rehearsed a micro-step of a one-layer model before the turn in %.1fs: its kernels are loaded", seconds)
+    device, dtype = device_for(ctx.info.local_rank), DTYPES[cfg.model.dtype]
+    skip = rehearsal.skip_reason(config, dtype, ds_config, torch.cuda.get_device_properties(device).total_memory)
+    rehearsal.before_turn("a micro-step", "of", "the first micro-batch", skip, lambda: rehearsal.rehearse(
+        config, dtype, cfg.tuning, cfg.train, cfg.generate.temperature, device))
 
 
 def compile_models(engine, ref, backend: str, stage: int):

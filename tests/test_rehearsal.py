@@ -267,3 +267,21 @@ def test_generate_rehearses_only_with_the_compact_sampler_on_a_gpu_before_its_tu
     turn.append(1)
     assert generate.preload(ctx()) == "config"
     assert ran == ["config"]
+
+
+def test_a_rehearsal_before_the_turn_logs_what_came_of_it_and_never_fails_the_stage(caplog):
+    # The lines a rank's log ends at while it waits for its turn (README, "When things go wrong").
+    caplog.set_level("INFO")
+
+    def broken():
+        raise RuntimeError("no kernels")
+
+    rehearsal.before_turn("the sampler", "on", "the first call", None, lambda: 1.25)
+    rehearsal.before_turn("a micro-step", "of", "the first micro-batch", None, broken)
+    rehearsal.before_turn("the sampler", "on", "the first call", "too big", broken)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rehearsed the sampler on a one-layer model before the turn in 1.2s: its kernels are loaded",
+        "rehearsing a micro-step before the turn failed (RuntimeError: no kernels); the first micro-batch loads its "
+        "kernels itself",
+        "no rehearsal of the sampler before the turn: too big"]
+    assert caplog.records[1].levelname == "WARNING"

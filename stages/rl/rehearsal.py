@@ -184,7 +184,8 @@ def _rehearse_sampling(config, dtype, tuning, g, device) -> float:
     g_ids = torch.Generator().manual_seed(0)
     for widths in sample_widths():
         prompts = [torch.randint(0, config.vocab_size, (w,), generator=g_ids).tolist() for w in widths]
-        sampler = decoding.CompactDecoder(model, len(prompts) * ATTEMPTS, decoding.buffer_length(max(widths), NEW_TOKENS),
+        sampler = decoding.CompactDecoder(model, len(prompts) * ATTEMPTS,
+                                          decoding.buffer_length(max(widths), NEW_TOKENS),
                                           cuda_graphs=tuning.decode_graphs, decode_kernel=tuning.decode_kernel)
         params = decoding.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=g.temperature, top_p=g.top_p,
                                          eos_token_id=-1, pad_token_id=0)
@@ -193,6 +194,22 @@ def _rehearse_sampling(config, dtype, tuning, g, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time() - t0
+
+
+def before_turn(what: str, on: str, first: str, skip: str | None, run) -> None:
+    """A rehearsal of `what` (`run`, returning its seconds) before the stage's turn, unless `skip` says
+    why not. It only saves time: a failure is logged, and `first` (the first real call) loads the
+    kernels itself."""
+    if skip:
+        log.info("no rehearsal of %s before the turn: %s", what, skip)
+        return
+    try:
+        seconds = run()
+    except Exception as e:  # noqa: BLE001 (any failure here only costs the first real call its loads)
+        log.warning("rehearsing %s before the turn failed (%s: %s); %s loads its kernels itself", what,
+                    type(e).__name__, e, first)
+        return
+    log.info("rehearsed %s %s a one-layer model before the turn in %.1fs: its kernels are loaded", what, on, seconds)
 
 
 def one_layer(config):

@@ -272,7 +272,8 @@ def to_device(obj, device, threads: int) -> tuple[object, int]:
 
     seen, chosen = set(), []
     for t in tensors_in(obj):
-        if t.device.type == "cpu" and id(t) not in seen and t.is_contiguous() and t.numel() * t.element_size() >= STAGED_MIN_BYTES:
+        if t.device.type == "cpu" and id(t) not in seen and t.is_contiguous() and \
+                t.numel() * t.element_size() >= STAGED_MIN_BYTES:
             seen.add(id(t))
             chosen.append(t)
     if not chosen:
