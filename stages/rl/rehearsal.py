@@ -134,7 +134,10 @@ def one_layer_model(config, dtype: torch.dtype, tuning, device):
     from stages.rl.modeling import fuse_rms_norms
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(one_layer(config), dtype=dtype).to(device)
+    # Built on the device: initialising the weights on the host and copying them over is a good part
+    # of a rehearsal that must be done before the turn.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(one_layer(config), dtype=dtype)
     if tuning.fused_rms_norm:
         fuse_rms_norms(model)
     if tuning.fused_layers:
