@@ -183,3 +183,29 @@ def test_verify_compares_every_exported_tensor(tmp_path):
     weights[name].view(-1)[0] += 1
     with pytest.raises(RuntimeError, match=f"differs from the checkpoint at {name}"):
         verify(model, weights, "float32")
+
+
+def test_staged_loads_serve_the_checks_load_once_and_spare_room_only_for_an_elastic_checkpoint():
+    # DeepSpeed loads the model file twice in a row (a check, then the load): the second is served by
+    # the first's moved copy, once; another file in between lets it go. The room kept for one more
+    # copy of the largest tensor is kept unless the optimizer copies a rigid checkpoint in place.
+    calls = []
+
+    class Inner:
+        def load(self, path, map_location=None):
+            calls.append(path)
+            return {"path": path, "step": torch.tensor(1)}  # nothing large: no GPU needed to "move" it
+
+    for optimizer, spare in ((SimpleNamespace(elastic_checkpoint=False), False),
+                             (SimpleNamespace(elastic_checkpoint=True), True), (object(), True)):
+        engine = SimpleNamespace(checkpoint_engine=Inner(), optimizer=optimizer)
+        with serialization.staged_loads(engine, torch.device("cuda", 0), threads=4):
+            assert engine.checkpoint_engine.spare_largest is spare
+            calls.clear()
+            first = engine.checkpoint_engine.load("model.pt")
+            assert engine.checkpoint_engine.load("model.pt") is first and calls == ["model.pt"]
+            engine.checkpoint_engine.load("model.pt")  # served once only: a third load reads again
+            engine.checkpoint_engine.load("optim.pt")
+            engine.checkpoint_engine.load("model.pt")
+            assert calls == ["model.pt", "model.pt", "optim.pt", "model.pt"]
+        assert isinstance(engine.checkpoint_engine, Inner)

@@ -221,16 +221,24 @@ class StagedLoads:
     """DeepSpeed's checkpoint engine, each file it loads moved to the GPU by to_device before
     DeepSpeed copies it into the engine; everything else the wrapped engine's."""
 
-    def __init__(self, inner, device, threads: int):
-        self.inner, self.device, self.threads = inner, device, threads
+    def __init__(self, inner, device, threads: int, spare_largest: bool = True):
+        self.inner, self.device, self.threads, self.spare_largest = inner, device, threads, spare_largest
+        self.last = None  # (path, state): DeepSpeed loads the model file twice in a row, once to check it
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def load(self, path, map_location=None):
+        # The check's copy serves the load after it; any other file's is let go before this one moves,
+        # so that the GPU memory it holds is free for this one.
+        last, self.last = self.last, None
+        if last is not None and last[0] == str(path):
+            return last[1]
+        del last
         state = self.inner.load(path, map_location=map_location)
         t0 = time.time()
-        state, moved = to_device(state, self.device, self.threads)
+        state, moved = to_device(state, self.device, self.threads, self.spare_largest)
+        self.last = (str(path), state)
         if moved:
             seconds = time.time() - t0
             log.info("%s: %.2f GB moved to the GPU by %d threads in %.1fs (%.2f GB/s)", path, moved / 1e9, self.threads,
@@ -247,7 +255,10 @@ def staged_loads(engine, device, threads: int):
     import torch
 
     inner = engine.checkpoint_engine
-    engine.checkpoint_engine = StagedLoads(inner, device, threads)
+    # ZeRO 1-2's optimizer copies a rigid checkpoint's partitions into its own in place; only an
+    # elastic one is flattened into a new tensor first (and other optimizers are not known here).
+    spare = getattr(engine.optimizer, "elastic_checkpoint", True)
+    engine.checkpoint_engine = StagedLoads(inner, device, threads, spare_largest=spare)
     try:
         yield
     finally:
@@ -260,14 +271,15 @@ def staged_loads(engine, device, threads: int):
 STAGED_MIN_BYTES = 1 << 20
 
 
-def to_device(obj, device, threads: int) -> tuple[object, int]:
+def to_device(obj, device, threads: int, spare_largest: bool = True) -> tuple[object, int]:
     """(`obj` with its large contiguous host tensors copied to `device`, the bytes copied).
 
     DeepSpeed copies a loaded checkpoint's host tensors into the engine's GPU tensors one by one
     from pageable memory (memory-mapped pages of the file, tuning.checkpoint_mmap), one staging
     copy at a time; here `threads` threads copy them through page-locked buffers of their own
-    first. Only what fits the GPU's free memory moves, less room for DeepSpeed to make one more
-    copy of the largest (ZeRO 1-2 flatten the fp32 partitions they load) and a margin."""
+    first. Only what fits the GPU's free memory moves, less a margin and, with `spare_largest`,
+    room for DeepSpeed to make one more copy of the largest (ZeRO 1-2 flatten the fp32 partitions
+    of an elastic checkpoint)."""
     import torch
 
     seen, chosen = set(), []
@@ -279,7 +291,7 @@ def to_device(obj, device, threads: int) -> tuple[object, int]:
     if not chosen:
         return obj, 0
     free, _ = torch.cuda.mem_get_info(device)
-    room = free - max(t.numel() * t.element_size() for t in chosen) - (2 << 30)
+    room = free - (max(t.numel() * t.element_size() for t in chosen) if spare_largest else 0) - (2 << 30)
     fits = []
     for t in chosen:
         size = t.numel() * t.element_size()
