@@ -256,7 +256,8 @@ def staged_loads(engine, device, threads: int):
 
     inner = engine.checkpoint_engine
     # ZeRO 1-2's optimizer copies a rigid checkpoint's partitions into its own in place; only an
-    # elastic one is flattened into a new tensor first (and other optimizers are not known here).
+    # elastic one is flattened into a new tensor first. Other optimizers keep the room (the resume
+    # stages loads below ZeRO-3 only, so ZeRO-3's, which has the same flag, never comes here).
     spare = getattr(engine.optimizer, "elastic_checkpoint", True)
     engine.checkpoint_engine = StagedLoads(inner, device, threads, spare_largest=spare)
     try:
