@@ -188,7 +188,8 @@ def test_verify_compares_every_exported_tensor(tmp_path):
 def test_staged_loads_serve_the_checks_load_once_and_spare_room_only_for_an_elastic_checkpoint():
     # DeepSpeed loads the model file twice in a row (a check, then the load): the second is served by
     # the first's moved copy, once; another file in between lets it go. The room kept for one more
-    # copy of the largest tensor is kept unless the optimizer copies a rigid checkpoint in place.
+    # tensor of the largest's size is kept unless ZeRO 1-2's optimizer copies a rigid checkpoint of
+    # unpadded partitions in place.
     calls = []
 
     class Inner:
@@ -196,8 +197,13 @@ def test_staged_loads_serve_the_checks_load_once_and_spare_room_only_for_an_elas
             calls.append(path)
             return {"path": path, "step": torch.tensor(1)}  # nothing large: no GPU needed to "move" it
 
-    for optimizer, spare in ((SimpleNamespace(elastic_checkpoint=False), False),
-                             (SimpleNamespace(elastic_checkpoint=True), True), (object(), True)):
+    rigid = dict(elastic_checkpoint=False, round_robin_bit16_padding=[[0, 0], [0]])
+    for optimizer, spare in ((SimpleNamespace(**rigid, groups_padding=[0, 0]), False),
+                             (SimpleNamespace(**rigid, groups_padding=[0, 96]), True),  # the last rank's
+                             (SimpleNamespace(**{**rigid, "round_robin_bit16_padding": [[0, 8]]}, groups_padding=[0]),
+                              True),
+                             (SimpleNamespace(**rigid), True),  # not ZeRO 1-2's
+                             (SimpleNamespace(elastic_checkpoint=True, groups_padding=[0]), True), (object(), True)):
         engine = SimpleNamespace(checkpoint_engine=Inner(), optimizer=optimizer)
         with serialization.staged_loads(engine, torch.device("cuda", 0), threads=4):
             assert engine.checkpoint_engine.spare_largest is spare

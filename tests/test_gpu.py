@@ -355,3 +355,38 @@ def test_a_snapshot_fills_the_host_memory_prepared_by_its_layout(tmp_path, locke
     pool.close()  # unlocked: still readable host memory
     assert not any(pool.page_locked(t) or t.is_pinned() for t in host.values())
     assert all(torch.equal(host[k], v.cpu()) for k, v in state.items())
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
+def test_a_staged_resume_holds_exactly_what_the_checkpoint_saved(tmp_path):
+    # tuning.resume_to_gpu on the GPU: each checkpoint file's tensors go to the GPU before DeepSpeed
+    # copies them into the engine (without room for one more copy of the largest where ZeRO-2 copies
+    # in place). Iteration 1's set-up, run again once the run is done, then holds exactly iteration
+    # 0's exported weights and its checkpoint's fp32 master and Adam moments.
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jobs.launchers import free_port
+    from tests.test_train_checkpoint import assert_optimizer_state_is_the_checkpoints
+
+    run, out = tmp_path / "run", tmp_path / "resumed.pt"
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
+                           "iterations=2", "ranks=1", "data.prompts_per_iteration=16", "generate.max_new_tokens=32",
+                           "save.keep_checkpoints=2", "--launcher", "local"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.resumed_weights", str(run), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = torch.load(out, map_location="cpu", weights_only=True)
+    assert got["built"] and got["device"].startswith("cuda")
+    exported = dict(AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00000",
+                                                         dtype=torch.bfloat16).named_parameters())
+    assert set(got["weights"]) == set(exported)
+    for name, w in got["weights"].items():
+        assert torch.equal(w, exported[name].detach()), name
+    assert_optimizer_state_is_the_checkpoints(got["optimizer"], run / "checkpoints" / "iter_00000")

@@ -96,3 +96,21 @@ def test_a_resumed_policy_takes_every_weight_from_the_checkpoint(tmp_path, zero)
     assert set(got["weights"]) == set(want)
     for name, w in got["weights"].items():
         assert torch.equal(w, want[name].detach()), name
+    if "zero2" in zero:
+        assert_optimizer_state_is_the_checkpoints(got["optimizer"], run / "checkpoints" / "iter_00000")
+
+
+def assert_optimizer_state_is_the_checkpoints(got: dict, folder: Path, rank: int = 0) -> None:
+    """ZeRO 1-2: the fp32 master partitions and Adam moments rank `rank` holds after the resume are the
+    ones its checkpoint file holds (the file's partitions without the last rank's alignment padding)."""
+    [path] = folder.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    # DeepSpeed's own file, with its objects (not stage data): read as DeepSpeed reads it.
+    saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    assert got["copies_in_place"] is True  # ZeRO-2's flags read as the staged loads read them
+    for mine, theirs in zip(got["fp32"], saved["single_partition_of_fp32_groups"], strict=True):
+        assert torch.equal(mine[:theirs.numel()], theirs)
+    states = saved["base_optimizer_state"]["state"]
+    for i, moments in enumerate(got["moments"]):
+        assert set(moments) == {"exp_avg", "exp_avg_sq"}
+        for key, value in moments.items():
+            assert torch.equal(value, states[i][key]), (i, key)

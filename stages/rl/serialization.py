@@ -255,16 +255,25 @@ def staged_loads(engine, device, threads: int):
     import torch
 
     inner = engine.checkpoint_engine
-    # ZeRO 1-2's optimizer copies a rigid checkpoint's partitions into its own in place; only an
-    # elastic one is flattened into a new tensor first. Other optimizers keep the room (the resume
-    # stages loads below ZeRO-3 only, so ZeRO-3's, which has the same flag, never comes here).
-    spare = getattr(engine.optimizer, "elastic_checkpoint", True)
-    engine.checkpoint_engine = StagedLoads(inner, device, threads, spare_largest=spare)
+    engine.checkpoint_engine = StagedLoads(inner, device, threads, spare_largest=not copies_in_place(engine.optimizer))
     try:
         yield
     finally:
         engine.checkpoint_engine = inner
         torch.cuda.empty_cache()  # the staged copies are gone: their blocks go back for the update
+
+
+def copies_in_place(optimizer) -> bool:
+    """Whether `optimizer` is ZeRO 1-2's copying a loaded checkpoint into its own tensors in place: a
+    rigid checkpoint, partitions without padding. Otherwise it builds a new tensor of a partition's
+    size first (an elastic checkpoint's partitions flattened, a padded partition zero-filled to its
+    size), or is an optimizer not read for this; the staged loads run below ZeRO-3 only, so ZeRO-3's,
+    which has the same flags, never comes here."""
+    if getattr(optimizer, "elastic_checkpoint", True):
+        return False
+    paddings = list(getattr(optimizer, "groups_padding", [1]))  # the last rank's partitions, for alignment
+    paddings += [p for group in getattr(optimizer, "round_robin_bit16_padding", []) for p in group]
+    return not any(paddings)
 
 
 # A loaded tensor smaller than this stays where it was loaded (scalars such as an optimizer's step
@@ -279,8 +288,7 @@ def to_device(obj, device, threads: int, spare_largest: bool = True) -> tuple[ob
     from pageable memory (memory-mapped pages of the file, tuning.checkpoint_mmap), one staging
     copy at a time; here `threads` threads copy them through page-locked buffers of their own
     first. Only what fits the GPU's free memory moves, less a margin and, with `spare_largest`,
-    room for DeepSpeed to make one more copy of the largest (ZeRO 1-2 flatten the fp32 partitions
-    of an elastic checkpoint)."""
+    room for DeepSpeed to make one more tensor of the largest's size (copies_in_place)."""
     import torch
 
     seen, chosen = set(), []

@@ -1,7 +1,8 @@
 """One rank of tests/test_train_checkpoint.py: train's set-up of iteration 1 in a finished run dir,
 the policy it builds without its weights filled with NaN as it is built, so that any weight the
 resumed checkpoint does not set shows. Rank 0 saves the weights the engine holds after the resume,
-and whether set-up built the policy so.
+under ZeRO 1-2 its optimizer's fp32 master partitions and Adam moments, and whether set-up built the
+policy so.
 
 Run as `python -m tests.workers.resumed_weights RUN_DIR OUT_FILE` with RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT set.
@@ -38,8 +39,19 @@ def main() -> int:
     params = dict(run.engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):  # ZeRO-3's shards whole; else nothing
         weights = {name: p.detach().clone() for name, p in params.items()}
+    optimizer = run.engine.optimizer
+    state = {}
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO 1-2: this rank's fp32 master and moments
+        groups = optimizer.single_partition_of_fp32_groups
+        state = {"fp32": [t.detach().cpu().clone() for t in groups],
+                 "moments": [{k: v.detach().cpu().clone() for k, v in optimizer.optimizer.state[t].items()
+                              if torch.is_tensor(v) and v.numel() > 1} for t in groups]}
     if ctx.rank == 0:
-        torch.save({"built": bool(built), "weights": weights}, out)
+        from stages.rl.serialization import copies_in_place
+
+        state["copies_in_place"] = copies_in_place(optimizer)
+        torch.save({"built": bool(built), "weights": weights, "optimizer": state,
+                    "device": str(next(run.engine.module.parameters()).device)}, out)
     tdist.barrier()
     return 0
 
