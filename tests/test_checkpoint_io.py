@@ -185,7 +185,7 @@ def test_verify_compares_every_exported_tensor(tmp_path):
         verify(model, weights, "float32")
 
 
-def test_staged_loads_serve_the_checks_load_once_and_spare_room_only_for_an_elastic_checkpoint():
+def test_staged_loads_serve_the_checks_load_once_and_keep_room_unless_zero_copies_in_place():
     # DeepSpeed loads the model file twice in a row (a check, then the load): the second is served by
     # the first's moved copy, once; another file in between lets it go. The room kept for one more
     # tensor of the largest's size is kept unless ZeRO 1-2's optimizer copies a rigid checkpoint of

@@ -363,26 +363,19 @@ def test_a_staged_resume_holds_exactly_what_the_checkpoint_saved(tmp_path):
     # copies them into the engine (without room for one more copy of the largest where ZeRO-2 copies
     # in place). Iteration 1's set-up, run again once the run is done, then holds exactly iteration
     # 0's exported weights and its checkpoint's fp32 master and Adam moments.
-    import os
-
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jobs.launchers import free_port
+    from tests.test_train_batching import run_workers_in_turn
     from tests.test_train_checkpoint import assert_optimizer_state_is_the_checkpoints
 
-    run, out = tmp_path / "run", tmp_path / "resumed.pt"
+    run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
                            "iterations=2", "ranks=1", "data.prompts_per_iteration=16", "generate.max_new_tokens=32",
                            "save.keep_checkpoints=2", "--launcher", "local"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.workers.resumed_weights", str(run), str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    got = torch.load(out, map_location="cpu", weights_only=True)
+    got = run_workers_in_turn("tests.workers.resumed_weights", tmp_path, run, 1, {"resumed": []}, cpu=False)["resumed"]
     assert got["built"] and got["device"].startswith("cuda")
     exported = dict(AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00000",
                                                          dtype=torch.bfloat16).named_parameters())

@@ -34,22 +34,24 @@ def run_workers(module: str, tmp_path, model_dir, world: int, overrides: list[st
     return run_workers_in_turn(module, tmp_path, model_dir, world, {name: overrides})[name]
 
 
-def run_workers_in_turn(module: str, tmp_path, model_dir, world: int, runs: dict[str, list[str]]) -> dict:
-    """`python -m module MODEL_DIR OUT key=value ... -- OUT key=value ...` on `world` ranks: the runs
-    one after the other in the same processes, which start once. What rank 0 saved, by run name."""
+def run_workers_in_turn(module: str, tmp_path, model_dir, world: int, runs: dict[str, list[str]],
+                        cpu: bool = True) -> dict:
+    """`python -m module MODEL_DIR OUT key=value ... -- OUT key=value ...` on `world` ranks (DeepSpeed on
+    the CPU, or with `cpu` False on the GPUs): the runs one after the other in the same processes, which
+    start once. What rank 0 saved, by run name, loaded onto the host."""
     args = [arg for name, overrides in runs.items() for arg in ("--", str(tmp_path / f"{name}.pt"), *overrides)][1:]
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+               "PYTHONPATH": str(ROOT), **({"DS_ACCELERATOR": "cpu"} if cpu else {})}
         procs.append(subprocess.Popen([sys.executable, "-m", module, str(model_dir), *args], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         output, _ = p.communicate(timeout=300)
         assert p.returncode == 0, output[-3000:]
-    return {name: torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in runs}
+    return {name: torch.load(tmp_path / f"{name}.pt", map_location="cpu", weights_only=True) for name in runs}
 
 
 @pytest.fixture(scope="module")
