@@ -101,6 +101,24 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
     assert re.search(r"^decoding call 1: 4 sequences of width [0-9]+, ", out, re.M), out
 
 
+def test_generate_benchmark_runs_the_vllm_modes_through_the_standin(tmp_path):
+    # vLLM's stand-in (tests/standins/vllm: vLLM cannot run here): the modes' engine start-up, the
+    # persistent engine's sleep and wake-up before its later call, and the roofline line.
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "standins")])}
+    proc = subprocess.run([sys.executable, "tests/benchmarks/generate_cache.py", "--preset", "tiny-llama", "--dtype",
+                           "float32", "--prompts", "2", "--attempts", "2", "--new-tokens", "4", "--repeats", "1",
+                           "--modes", "vllm,vllm:persistent=true"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for mode in ("vllm", "vllm:persistent=true"):
+        assert re.search(rf"^{re.escape(mode)} +[0-9.]+s +[0-9]+ +[0-9]+ ", out, re.M), out
+    assert len(re.findall(r"call 0: [0-9.]+s after engine_start_s [0-9.]+s", out)) == 2, out
+    assert re.search(r"call 1: [0-9.]+s after sleep_s [0-9.]+s, wake_weights_s .*reload_s", out), out
+    assert len(re.findall(r"roofline: all [0-9.e-]+s \([0-9]+ new tok/s\), [0-9.]+% of the first call, "
+                          r"[0-9.]+% of a later one", out)) == 2, out
+
+
 def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
     # The report of a finished run (the session's tiny run: running it is `syncrl run`'s, tested elsewhere).
     out = run(["tests/benchmarks/gpu_pipeline.py", "--report-only", "--iterations", "2", "--run-dir",

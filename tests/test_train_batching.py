@@ -45,7 +45,9 @@ def run_workers_in_turn(module: str, tmp_path, model_dir, world: int, runs: dict
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT), **({"DS_ACCELERATOR": "cpu"} if cpu else {})}
+               # The project first, then wherever this environment's own path finds its packages.
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               **({"DS_ACCELERATOR": "cpu"} if cpu else {})}
         procs.append(subprocess.Popen([sys.executable, "-m", module, str(model_dir), *args], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:

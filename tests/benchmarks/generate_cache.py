@@ -6,7 +6,9 @@ tuning: fused RMSNorm unless the mode says `fused_rms_norm=false`), then one cal
 then --repeats more calls in the same process (what a longer-lived process would see, compiled code
 and captured graphs included). Modes are generate.cache values, optionally with generate.* or tuning.* settings after a
 colon: `compact`, `compact:decode_graphs=false`, `static:batch_size=512` (HF generate in calls of 512,
-what the stage did before), `compiled:batch_size=512`, `paged`, `dynamic:batch_size=512`.
+what the stage did before), `compiled:batch_size=512`, `paged`, `dynamic:batch_size=512`; and `vllm`
+(generate.backend=vllm, where vLLM is installed: the engine's start-up apart from the call; with
+`vllm:persistent=true` each later call follows a sleep and a wake-up with the weights reloaded).
 
 Prints per mode: the first call's wall time, new tokens/s (up to end-of-sequence), decoded
 positions/s (rows that decode steps ran, finished rows included), the sampling and log-prob-pass
@@ -116,6 +118,17 @@ def main() -> int:
               f"{fmt_s(cold['logprob_pass_s']):>8} {b['new_tokens_per_s']:>11.0f} "
               f"{cold['new_tokens'] / cold['s'] / b['new_tokens_per_s']:>8.1%} "
               f"{warm_tps if warm_tps else float('nan'):>10.0f}", flush=True)
+        for i, call in enumerate(r["calls"]):
+            if call.get("engine"):
+                print(f"{'':<28} call {i}: {call['s']:.2f}s after "
+                      + ", ".join(f"{k} {v:.2f}s" for k, v in call["engine"].items()), flush=True)
+        if mode.startswith("vllm"):
+            # The first call's roofline in new tokens/s, against which a later call's rate is set too.
+            rf = r["roofline"]["bound_s"]
+            rf_tps = cold["new_tokens"] / rf
+            print(f"{'':<28} roofline: all {rf:.3g}s ({rf_tps:.0f} new tok/s), {rf / cold['s']:.1%} of the first "
+                  f"call, {warm_tps / rf_tps if warm_tps else float('nan'):.1%} of a later one; GPU memory in use "
+                  f"{r['peak_gib']:.1f} GiB", flush=True)
         if cold.get("stats"):
             s = cold["stats"]
             print(f"{'':<28} calls {s.get('calls')} in {s.get('rounds')} round(s), {s.get('spilled')} spilled, "
@@ -158,19 +171,23 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
     cache, _, rest = mode.partition(":")
     overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in rest.split(";") if kv)} if rest else {}
     tuning_keys = {f.name for f in dataclasses.fields(TuningConfig)}
-    g = GenerateConfig(attempts=args.attempts, max_new_tokens=args.new_tokens, cache=cache,
+    vllm = cache == "vllm"
+    g = GenerateConfig(attempts=args.attempts, max_new_tokens=args.new_tokens,
+                       **({"backend": "vllm"} if vllm else {"cache": cache}),
                        **{k: v for k, v in overrides.items() if k not in tuning_keys})
     tuning = TuningConfig(**{k: v for k, v in overrides.items() if k in tuning_keys})
     device = device_for(0)
     tokenizer = load_tokenizer(model_dir)
-    # The model as the generate stage loads it, with the mode's tuning (HF's RMSNorm: fused_rms_norm=false).
-    model = load_policy(model_dir, args.dtype, device, fused_norms=tuning.fused_rms_norm,
-                        fused_layers=tuning.fused_layers).eval()
     # synthetic_size: the synthetic draw this benchmark has always made, so its figures stay comparable.
     data = DataConfig(prompts_per_iteration=args.prompts, source=args.data_source, split="test", synthetic_size=1000,
                       **({"prompt_template": args.prompt_template} if args.prompt_template else {}))
     items = iteration_prompts(data, load_problems(data, 0), 0, 0)
     prompts.encode(tokenizer, items, data, model_dir)
+    if vllm:
+        return run_vllm(args, g, items, tokenizer.eos_token_id, model_dir, t_start)
+    # The model as the generate stage loads it, with the mode's tuning (HF's RMSNorm: fused_rms_norm=false).
+    model = load_policy(model_dir, args.dtype, device, fused_norms=tuning.fused_rms_norm,
+                        fused_layers=tuning.fused_layers).eval()
     steps = watch_steps(args.bandwidth) if args.step_times else None
     calls, pairs = [], []
     for i in range(args.repeats + 1):  # the first call is the one a stage makes
@@ -198,6 +215,41 @@ def run_mode(args, mode: str, model_dir: Path) -> dict:
                 print(steps.table(), file=sys.stderr, flush=True)
                 steps.records.clear()
     peak = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
+    return {"first_call_done_s": first_done, "calls": calls, "pairs": pairs, "peak_gib": peak}
+
+
+def run_vllm(args, g, items: list[dict], eos_token_id: int, model_dir: Path, t_start: float) -> dict:
+    """Mode `vllm[:persistent=true;...]`: the engine generate.backend=vllm starts (stages/rl/vllm_sampler.py),
+    on the same prompts. Per generate, a stage pays the engine's start and its first call; a persistent
+    engine pays, each iteration, a sleep and a wake-up with the new weights loaded in place (here the
+    same export again) before the call: with persistent=true the calls after the first come after one.
+    The modes of one run share vLLM's cache (its compiled graphs), as a run's engines do."""
+    import torch
+
+    from stages.rl.vllm_sampler import VllmSampler
+
+    sampler = VllmSampler(model_dir, model_dir, args.dtype, g, seed=0,
+                          cache_dir=model_dir.parent / "vllm-cache", sleep_mode=g.persistent)
+    startup = sampler.figures()
+    print(f"engine start-up: {json.dumps(startup)}", file=sys.stderr, flush=True)
+    prompt_ids = [it["prompt_ids"] for it in items]
+    calls, pairs = [], []
+    for i in range(args.repeats + 1):
+        cycle = {}
+        if i and g.persistent:
+            cycle = {"sleep_s": sampler.sleep(), **sampler.wake_up(model_dir)}
+        t0 = time.perf_counter()  # the engine's generate returns its completions, nothing left queued
+        completions = sampler.sample(prompt_ids, g, eos_token_id, seed=i)
+        s = time.perf_counter() - t0
+        lengths = [len(c) for c in completions]
+        calls.append({"s": s, "new_tokens": sum(lengths), "positions": sum(lengths), "sample_s": s,
+                      "logprob_pass_s": None, "stats": None, "engine": startup if i == 0 else cycle})
+        if i == 0:
+            first_done = time.perf_counter() - t_start
+            pairs = [(len(prompt_ids[k // g.attempts]), n) for k, n in enumerate(lengths)]
+    # The engine takes its share of the card up front (the stand-in for vLLM, on CPU: none).
+    free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
+    peak = (total - free) / 2**30
     return {"first_call_done_s": first_done, "calls": calls, "pairs": pairs, "peak_gib": peak}
 
 
