@@ -119,8 +119,9 @@ def main() -> int:
               f"{cold['new_tokens'] / cold['s'] / b['new_tokens_per_s']:>8.1%} "
               f"{warm_tps if warm_tps else float('nan'):>10.0f}", flush=True)
         for i, call in enumerate(r["calls"]):
-            if call.get("engine"):
-                print(f"{'':<28} call {i}: {call['s']:.2f}s after "
+            if "engine" in call:
+                print(f"{'':<28} call {i}: {call['s']:.2f}s, {call['new_tokens'] / call['s']:.0f} new tok/s"
+                      + (" after " if call["engine"] else "")
                       + ", ".join(f"{k} {v:.2f}s" for k, v in call["engine"].items()), flush=True)
         if mode.startswith("vllm"):
             # The first call's roofline in new tokens/s, against which a later call's rate is set too.
@@ -222,8 +223,9 @@ def run_vllm(args, g, items: list[dict], eos_token_id: int, model_dir: Path, t_s
     """Mode `vllm[:persistent=true;...]`: the engine generate.backend=vllm starts (stages/rl/vllm_sampler.py),
     on the same prompts. Per generate, a stage pays the engine's start and its first call; a persistent
     engine pays, each iteration, a sleep and a wake-up with the new weights loaded in place (here the
-    same export again) before the call: with persistent=true the calls after the first come after one.
-    The modes of one run share vLLM's cache (its compiled graphs), as a run's engines do."""
+    same export again) before the call: with persistent=true the second call comes after one, and any
+    later calls after that call (whether a slower call after a wake-up is the wake-up's alone). The
+    modes of one run share vLLM's cache (its compiled graphs), as a run's engines do."""
     import torch
 
     from stages.rl.vllm_sampler import VllmSampler
@@ -236,7 +238,7 @@ def run_vllm(args, g, items: list[dict], eos_token_id: int, model_dir: Path, t_s
     calls, pairs = [], []
     for i in range(args.repeats + 1):
         cycle = {}
-        if i and g.persistent:
+        if i == 1 and g.persistent:
             cycle = {"sleep_s": sampler.sleep(), **sampler.wake_up(model_dir)}
         t0 = time.perf_counter()  # the engine's generate returns its completions, nothing left queued
         completions = sampler.sample(prompt_ids, g, eos_token_id, seed=i)
