@@ -29,6 +29,14 @@ def small_llama(layers: int):
     return AutoModelForCausalLM.from_config(llama_config(dims), dtype=torch.bfloat16).cuda()
 
 
+def run_gpu_small(run: Path, *overrides: str) -> None:
+    """`syncrl run configs/gpu_small.yaml` for two iterations into `run`, with `overrides`; it must succeed."""
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
+                           "iterations=2", *overrides, "--launcher", "local"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def gpu_count() -> int:
     try:
         import torch
@@ -42,11 +50,7 @@ def test_two_iterations_on_the_gpus(tmp_path):
     # One rank per GPU, up to the config's 2 (NCCL even with one); iteration 1 resumes iteration 0's checkpoint.
     ranks = min(2, gpu_count())
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
-                           "iterations=2", f"ranks={ranks}", "data.prompts_per_iteration=32",
-                           "generate.max_new_tokens=64", "--launcher", "local"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_gpu_small(run, f"ranks={ranks}", "data.prompts_per_iteration=32", "generate.max_new_tokens=64")
     for it in (0, 1):
         for stage in STAGES:
             assert (run / f"iter_{it:05d}" / "markers" / f"{stage}.done").is_file(), (it, stage)
@@ -71,11 +75,8 @@ def test_node_local_checkpoints_export_the_weights_the_shards_hold(tmp_path):
     from tests.test_local_checkpoints import assert_export_matches_the_durable_copy
 
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
-                           "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
-                           f"train.local_checkpoint_dir={tmp_path / 'store'}", "--launcher", "local"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_gpu_small(run, "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
+                  f"train.local_checkpoint_dir={tmp_path / 'store'}")
     assert_export_matches_the_durable_copy(run, 1)  # iteration 0's durable copy is pruned (keep 1)
 
 
@@ -91,11 +92,8 @@ def test_two_iterations_with_the_real_vllm_engine(tmp_path, persistent):
     # The real engine on the GPU: rows whose old log-probs are the policy's (the generate stage's
     # pass), and with generate.persistent one engine that serves iteration 1 the weights of iteration 0.
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
-                           "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
-                           "generate.backend=vllm", f"generate.persistent={str(persistent).lower()}",
-                           "--launcher", "local"], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_gpu_small(run, "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
+                  "generate.backend=vllm", f"generate.persistent={str(persistent).lower()}")
     from stages.rl.modeling import load_tokenizer
 
     eos = load_tokenizer(run / "models" / "base").eos_token_id
@@ -202,11 +200,8 @@ def test_captured_layers_give_the_eager_loss_and_gradient_and_follow_the_weights
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")
 def test_two_iterations_with_captured_layers(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
-                           "iterations=2", "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
-                           "tuning.train_graphs=true", "--launcher", "local"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_gpu_small(run, "ranks=1", "data.prompts_per_iteration=32", "generate.max_new_tokens=64",
+                  "tuning.train_graphs=true")
     for it in (0, 1):
         log = (run / "logs" / f"iter_{it:05d}" / "train" / "attempt_1" / "rank_00000.log").read_text()
         assert "captured CUDA graphs of 24 layers" in log, log[-3000:]
@@ -364,22 +359,13 @@ def test_a_staged_resume_holds_exactly_what_the_checkpoint_saved(tmp_path):
     # in place). Iteration 1's set-up, run again once the run is done, then holds exactly iteration
     # 0's exported weights and its checkpoint's fp32 master and Adam moments.
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tests.test_train_batching import run_workers_in_turn
-    from tests.test_train_checkpoint import assert_optimizer_state_is_the_checkpoints
+    from tests.test_train_checkpoint import assert_resumed_state_is_iteration_0s
 
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/gpu_small.yaml", f"run_dir={run}",
-                           "iterations=2", "ranks=1", "data.prompts_per_iteration=16", "generate.max_new_tokens=32",
-                           "save.keep_checkpoints=2", "--launcher", "local"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_gpu_small(run, "ranks=1", "data.prompts_per_iteration=16", "generate.max_new_tokens=32",
+                  "save.keep_checkpoints=2")
     got = run_workers_in_turn("tests.workers.resumed_weights", tmp_path, run, 1, {"resumed": []}, cpu=False)["resumed"]
     assert got["built"] and got["device"].startswith("cuda")
-    exported = dict(AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00000",
-                                                         dtype=torch.bfloat16).named_parameters())
-    assert set(got["weights"]) == set(exported)
-    for name, w in got["weights"].items():
-        assert torch.equal(w, exported[name].detach()), name
-    assert_optimizer_state_is_the_checkpoints(got["optimizer"], run / "checkpoints" / "iter_00000")
+    assert_resumed_state_is_iteration_0s(got, run, optimizer=True, dtype=torch.bfloat16)

@@ -79,8 +79,6 @@ def test_a_resumed_policy_takes_every_weight_from_the_checkpoint(tmp_path, zero)
     comes from the checkpoint. A real 2-rank run of 2 iterations; then iteration 1's set-up again,
     its policy filled with NaN as it is built, holds after the resume exactly the weights iteration
     0 exported."""
-    from transformers import AutoModelForCausalLM
-
     from tests.test_train_batching import run_workers_in_turn
 
     run = tmp_path / "run"
@@ -91,12 +89,20 @@ def test_a_resumed_policy_takes_every_weight_from_the_checkpoint(tmp_path, zero)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = run_workers_in_turn("tests.workers.resumed_weights", tmp_path, run, 2, {"resumed": []})["resumed"]
     assert got["built"]  # set-up took the path under test
-    exported = AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00000")
-    want = dict(exported.named_parameters())
+    assert_resumed_state_is_iteration_0s(got, run, optimizer="zero2" in zero)
+
+
+def assert_resumed_state_is_iteration_0s(got: dict, run: Path, optimizer: bool, **load) -> None:
+    """What tests/workers/resumed_weights.py saved after resuming iteration 0's checkpoint in `run`:
+    exactly the weights iteration 0 exported (read with `load`'s from_pretrained arguments) and, with
+    `optimizer` (ZeRO 1-2), its checkpoint's fp32 master partitions and Adam moments."""
+    from transformers import AutoModelForCausalLM
+
+    want = dict(AutoModelForCausalLM.from_pretrained(run / "models" / "iter_00000", **load).named_parameters())
     assert set(got["weights"]) == set(want)
     for name, w in got["weights"].items():
         assert torch.equal(w, want[name].detach()), name
-    if "zero2" in zero:
+    if optimizer:
         assert_optimizer_state_is_the_checkpoints(got["optimizer"], run / "checkpoints" / "iter_00000")
 
 
