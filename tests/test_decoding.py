@@ -214,6 +214,8 @@ def test_ladder_and_buffer_shapes():
     assert ladder(2048)[:4] == [2048, 1536, 1152, 864] and ladder(2048)[-3:] == [4, 2, 1]
     assert all(b % 8 == 0 for b in ladder(2048)[1:-3])
     assert buffer_length(10, 512) == 576 and buffer_length(1, 64) == 64
+    # A sequence spilled with one token to go, its prefix a whole number of steps: still a row past it.
+    assert buffer_length(128, 1) == 192 and buffer_length(127, 1) == 128
 
 
 def test_sliding_window_models_are_refused(models):

@@ -120,8 +120,9 @@ def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
 
 def buffer_length(prompt_width: int, max_new_tokens: int) -> int:
     """Positions a row may need: the prompt plus every new token but the last (which is sampled, never
-    fed back), rounded up to the prefix step."""
-    return LENGTH_STEP * math.ceil((prompt_width + max_new_tokens - 1) / LENGTH_STEP)
+    fed back), rounded up to the prefix step; at least one past the prompt (a spilled sequence with one
+    token to go still gets a row longer than its prefix)."""
+    return LENGTH_STEP * math.ceil((prompt_width + max(1, max_new_tokens - 1)) / LENGTH_STEP)
 
 
 def positions_that_fit(model, rows: int, memory_fraction: float) -> int:
