@@ -71,6 +71,9 @@ def create_base_model(out_dir: str | Path, preset: str = "tiny-llama", seed: int
         write_json_atomic(tmp / "syncrl_preset.json", {"preset": preset, "seed": seed})
 
     publish_new_dir(out_dir, fill)
+    if next(model.parameters()).is_cuda:  # the allocator would keep the weights' memory from the caller's work
+        del model, fill
+        torch.cuda.empty_cache()
     return out_dir
 
 

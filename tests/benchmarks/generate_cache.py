@@ -76,9 +76,12 @@ def main() -> int:
         print("RESULT " + json.dumps(run_mode(args, mode, Path(model_dir))), flush=True)
         return 0
 
-    from stages.rl.tiny_model import create_base_model
+    from jobs.base_model import create_base_model
 
-    model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset,
+    # Written by a child process, as a run's is: built here, a large preset's weights would stay in this
+    # process's GPU memory (the allocator's cache) while each mode's process samples, which would size
+    # its K/V buffer (or vLLM's) from what was left.
+    model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset, 0,
                                   dtype=args.dtype)
     shape = model_shape(model_dir)
     weights, kv = shape.weight_bytes, shape.kv_per_position
