@@ -104,12 +104,15 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
 def test_generate_benchmark_runs_the_vllm_modes_through_the_standin(tmp_path):
     # vLLM's stand-in (tests/standins/vllm: vLLM cannot run here): the modes' engine start-up, the
     # persistent engine's sleep and wake-up before its later call, and the roofline line.
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "standins")])}
+    (tmp_path / "tmp").mkdir()
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "standins")]),
+           "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "tests/benchmarks/generate_cache.py", "--preset", "tiny-llama", "--dtype",
                            "float32", "--prompts", "2", "--attempts", "2", "--new-tokens", "4", "--repeats", "2",
                            "--modes", "vllm,vllm:persistent=true"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list((tmp_path / "tmp").glob("syncrl-gen-*"))  # the benchmark's model is removed at its end
     out = proc.stdout
     for mode in ("vllm", "vllm:persistent=true"):
         assert re.search(rf"^{re.escape(mode)} +[0-9.]+s +[0-9]+ +[0-9]+ ", out, re.M), out

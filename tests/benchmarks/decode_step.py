@@ -15,6 +15,8 @@ kernel and the batched products, with the K/V bandwidth each reached counting th
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,7 +48,9 @@ def main() -> int:
     from stages.rl.modeling import load_policy
     from stages.rl.tiny_model import create_base_model
 
-    path = create_base_model(Path(tempfile.mkdtemp()) / "base", args.preset)
+    work = Path(tempfile.mkdtemp(prefix="syncrl-step-"))
+    atexit.register(shutil.rmtree, work, True)  # a large preset's weights would fill the disk run after run
+    path = create_base_model(work / "base", args.preset)
     model = load_policy(path, "bfloat16", torch.device("cuda")).eval()
     backends = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

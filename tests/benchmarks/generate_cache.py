@@ -26,8 +26,10 @@ line per call (prompt width, steps, prefill time).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,8 +83,9 @@ def main() -> int:
     # Written by a child process, as a run's is: built here, a large preset's weights would stay in this
     # process's GPU memory (the allocator's cache) while each mode's process samples, which would size
     # its K/V buffer (or vLLM's) from what was left.
-    model_dir = create_base_model(Path(tempfile.mkdtemp(prefix="syncrl-gen-")) / "base", args.preset, 0,
-                                  dtype=args.dtype)
+    work = Path(tempfile.mkdtemp(prefix="syncrl-gen-"))
+    atexit.register(shutil.rmtree, work, True)  # a large preset's weights would fill the disk run after run
+    model_dir = create_base_model(work / "base", args.preset, 0, dtype=args.dtype)
     shape = model_shape(model_dir)
     weights, kv = shape.weight_bytes, shape.kv_per_position
     print(f"{args.preset}, {args.dtype}, {args.data_source} problems: {args.prompts} prompts x {args.attempts} samples = "
