@@ -96,6 +96,8 @@ def test_generate_benchmark_runs_every_mode(tmp_path):
         assert re.search(rf"^{re.escape(mode)} +[0-9.]+s +[0-9]+ +[0-9]+ ", out, re.M), mode
     assert "bound at 4.80 TB/s (H200, for no GPU)" in out and "compactions" in out
     assert re.search(r"roofline with each prompt's K/V read once for its attempts .*: all [0-9.e-]+s, [0-9.]+% of", out)
+    assert re.search(r"of sampling; with each step's projections and attention one after the other [0-9.e-]+s, "
+                     r"[0-9.]+%$", out, re.M), out
     # The compact sampler's steps by rows decoded, and its line per call.
     assert re.search(r"^STEPS +4 +[1-9][0-9]* +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%$", out, re.M), out
     assert re.search(r"^decoding call 1: 4 sequences of width [0-9]+, ", out, re.M), out
@@ -122,7 +124,7 @@ def test_generate_benchmark_runs_the_vllm_modes_through_the_standin(tmp_path):
                           out)) == 1, out
     assert len(re.findall(r"call 2: [0-9.]+s, [0-9]+ new tok/s$", out, re.M)) == 2, out
     assert len(re.findall(r"roofline: all [0-9.e-]+s \([0-9]+ new tok/s\), [0-9.]+% of the first call, "
-                          r"[0-9.]+% of a later one", out)) == 2, out
+                          r"[0-9.]+% of a later one; one after the other [0-9.e-]+s", out)) == 2, out
 
 
 def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):

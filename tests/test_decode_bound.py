@@ -32,6 +32,24 @@ def test_each_phase_is_the_larger_of_its_compute_and_its_memory_time():
     assert rf["new_tokens_per_s"] == pytest.approx(8 / rf["bound_s"])
 
 
+def test_a_step_that_runs_its_projections_then_its_attention_is_bound_by_the_sum_of_their_roofs():
+    # One prompt of 10 tokens, two attempts: completions of 3 and 5 new tokens (as above).
+    rf = roofline([(10, 3), (10, 5)], attempts=2, shape=SHAPE, peak_flops=1.5e12, bandwidth=1e12)
+    attn = 4 * 2 * 4 * 8
+    attended = {1: 2 * (10 + 2), 2: 2 * (10 + 3), 3: 10 + 4, 4: 10 + 5}
+    rows = {1: 2, 2: 2, 3: 1, 4: 1}
+
+    def serial(k):  # the weights' read hides under 2 rows' FLOPs, not under 1's; the attention is K/V-bound
+        return (max(2 * 10**9 * rows[k] / 1.5e12, 2 * 10**9 / 1e12)
+                + max(attn * attended[k] / 1.5e12, 128 * attended[k] / 1e12))
+    full, tail, prefill = rf["phases"]["full"], rf["phases"]["tail"], rf["phases"]["prefill"]
+    assert full["serial_s"] == pytest.approx(serial(1) + serial(2))
+    assert tail["serial_s"] == pytest.approx(serial(3) + serial(4))
+    assert prefill["serial_s"] == pytest.approx(2 * 10**9 * 10 / 1.5e12 + max(attn * 55 / 1.5e12, 128 * 10 / 1e12))
+    for ph in (prefill, full, tail):
+        assert ph["bound_s"] <= ph["serial_s"] <= ph["compute_s"] + ph["memory_s"]
+    assert rf["serial_s"] == pytest.approx(prefill["serial_s"] + full["serial_s"] + tail["serial_s"])
+
 def test_with_shared_prompts_a_step_reads_each_live_prompt_once():
     # Two prompts of 10 and 20 tokens, two attempts each: completions 3 and 5, 2 and 2.
     pairs = [(10, 3), (10, 5), (20, 2), (20, 2)]

@@ -15,7 +15,10 @@ Phases, as an engine decoding every sequence at once would run them:
 - tail: the steps after that, with fewer and fewer sequences live.
 
 A decode step is bound by max(compute, memory) for the sequences live at that step; the phase's
-bound is the sum over its steps. The old-log-prob pass and sampling itself are left out, so a real
+bound is the sum over its steps. That bound lets the attention's K/V reads hide under the projections'
+FLOPs. A step that runs its projections and then its attention, each kernel on its own roof, is bound
+instead by max(projection FLOPs, weight bytes) + max(attention FLOPs, K/V bytes): `serial_s`, the
+bound of a sampler that does not overlap the two (what the compact sampler and vLLM's decode steps do). The old-log-prob pass and sampling itself are left out, so a real
 stage stays below the bound. `bound` is the memory time alone (the figure earlier entries of
 docs/benchmarks.md give).
 """
@@ -112,7 +115,10 @@ def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flo
     # Prefill: causal attention over each prompt (position i attends to i + 1 positions).
     flops = sum(2 * shape.params * p + attn * p * (p + 1) // 2 for p in prompts)
     memory = shape.weight_bytes + sum(kv * p for p in prompts)  # the weights once, each prompt's K/V written
-    phases = {"prefill": _phase(flops / peak_flops, memory / bandwidth, 1 if prompts else 0, 0)}
+    serial = (max(2 * shape.params * sum(prompts) / peak_flops, shape.weight_bytes / bandwidth)
+              + max(sum(attn * p * (p + 1) // 2 for p in prompts) / peak_flops,
+                    sum(kv * p for p in prompts) / bandwidth))
+    phases = {"prefill": _phase(flops / peak_flops, memory / bandwidth, serial, 1 if prompts else 0, 0)}
     # Decode step k (k = 1 .. longest - 1; the first new token comes from the prefill's logits) runs
     # the sequences with more than k new tokens, each attending to its prompt and k tokens.
     by_length = sorted(range(len(pairs)), key=lambda j: pairs[j][1], reverse=True)
@@ -120,7 +126,7 @@ def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flo
     longest = pairs[by_length[0]][1] if by_length else 0
     live, prefix, i = 0, 0, 0  # live sequences at step k, and the sum of their prompt lengths
     read, live_prompts = 0, set()  # the prompt positions a step reads, with shared_prompts
-    acc = {"full": [0.0, 0.0, 0.0, 0, 0], "tail": [0.0, 0.0, 0.0, 0, 0]}
+    acc = {"full": [0.0, 0.0, 0.0, 0, 0, 0.0], "tail": [0.0, 0.0, 0.0, 0, 0, 0.0]}
     for k in range(longest - 1, 0, -1):  # from the last step back, adding sequences as they become live
         while i < len(by_length) and pairs[by_length[i]][1] > k:
             j = by_length[i]
@@ -131,25 +137,30 @@ def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flo
                 read += pairs[j][0]
             i += 1
         attended = prefix + live * (k + 1)
-        compute = (2 * shape.params * live + attn * attended) / peak_flops
-        mem = (shape.weight_bytes + kv * ((read if shared_prompts else prefix) + live * (k + 1))) / bandwidth
+        projections, weights = 2 * shape.params * live / peak_flops, shape.weight_bytes / bandwidth
+        attention = attn * attended / peak_flops
+        kv_read = kv * ((read if shared_prompts else prefix) + live * (k + 1)) / bandwidth
+        compute, mem = projections + attention, weights + kv_read
         a = acc["full" if k < shortest else "tail"]
         a[0] += compute
         a[1] += mem
         a[2] += max(compute, mem)
         a[3] += 1
         a[4] += compute > mem
-    for name, (compute, mem, b, steps, compute_bound) in acc.items():
-        phases[name] = _phase(compute, mem, steps, compute_bound, b)
+        a[5] += max(projections, weights) + max(attention, kv_read)
+    for name, (compute, mem, b, steps, compute_bound, serial) in acc.items():
+        phases[name] = _phase(compute, mem, serial, steps, compute_bound, b)
     total = sum(ph["bound_s"] for ph in phases.values())
     new = sum(c for _, c in pairs)
     return {"phases": phases, "bound_s": total, "new_tokens_per_s": new / total if total else 0.0,
-            "peak_flops": peak_flops, "bandwidth": bandwidth}
+            "serial_s": sum(ph["serial_s"] for ph in phases.values()), "peak_flops": peak_flops,
+            "bandwidth": bandwidth}
 
 
-def _phase(compute_s: float, memory_s: float, steps: int, compute_bound: int, bound_s: float | None = None) -> dict:
+def _phase(compute_s: float, memory_s: float, serial_s: float, steps: int, compute_bound: int,
+           bound_s: float | None = None) -> dict:
     if bound_s is None:
         bound_s = max(compute_s, memory_s)
         compute_bound = int(compute_s > memory_s) if steps else 0
     return {"compute_s": compute_s, "memory_s": memory_s, "bound_s": bound_s, "steps": steps,
-            "compute_bound_steps": compute_bound}
+            "compute_bound_steps": compute_bound, "serial_s": serial_s}

@@ -134,8 +134,8 @@ def main() -> int:
             rf = r["roofline"]["bound_s"]
             rf_tps = cold["new_tokens"] / rf
             print(f"{'':<28} roofline: all {rf:.3g}s ({rf_tps:.0f} new tok/s), {rf / cold['s']:.1%} of the first "
-                  f"call, {warm_tps / rf_tps if warm_tps else float('nan'):.1%} of a later one; GPU memory in use "
-                  f"{r['peak_gib']:.1f} GiB", flush=True)
+                  f"call, {warm_tps / rf_tps if warm_tps else float('nan'):.1%} of a later one; one after the other "
+                  f"{r['roofline']['serial_s']:.3g}s; GPU memory in use {r['peak_gib']:.1f} GiB", flush=True)
         if cold.get("stats"):
             s = cold["stats"]
             print(f"{'':<28} calls {s.get('calls')} in {s.get('rounds')} round(s), {s.get('spilled')} spilled, "
@@ -320,7 +320,9 @@ def roofline_line(rf: dict, stats: dict, sample_s: float | None) -> str:
         share = f", {bnd / m:.0%} of it" if m else ""
         bound_by = "compute" if ph[name]["compute_bound_steps"] * 2 > ph[name]["steps"] else "memory"
         parts.append(f"{name} {bnd:.3g}s ({bound_by}; sampler {'-' if m is None else f'{m:.3g}s'}{share})")
-    whole = f"; all {rf['bound_s']:.3g}s, {rf['bound_s'] / sample_s:.1%} of sampling" if sample_s else ""
+    whole = (f"; all {rf['bound_s']:.3g}s, {rf['bound_s'] / sample_s:.1%} of sampling; with each step's "
+             f"projections and attention one after the other {rf['serial_s']:.3g}s, "
+             f"{rf['serial_s'] / sample_s:.1%}") if sample_s else ""
     return "roofline: " + ", ".join(parts) + whole
 
 
