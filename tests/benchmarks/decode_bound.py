@@ -18,8 +18,8 @@ A decode step is bound by max(compute, memory) for the sequences live at that st
 bound is the sum over its steps. That bound lets the attention's K/V reads hide under the projections'
 FLOPs. A step that runs its projections and then its attention, each kernel on its own roof, is bound
 instead by max(projection FLOPs, weight bytes) + max(attention FLOPs, K/V bytes): `serial_s`, the
-bound of a sampler that does not overlap the two (what the compact sampler and vLLM's decode steps do). The old-log-prob pass and sampling itself are left out, so a real
-stage stays below the bound. `bound` is the memory time alone (the figure earlier entries of
+bound of a sampler that does not overlap the two (the compact sampler's decode steps run them in
+turn). The old-log-prob pass and sampling itself are left out, so a real stage stays below the bound. `bound` is the memory time alone (the figure earlier entries of
 docs/benchmarks.md give).
 """
 
