@@ -19,8 +19,8 @@ bound is the sum over its steps. That bound lets the attention's K/V reads hide 
 FLOPs. A step that runs its projections and then its attention, each kernel on its own roof, is bound
 instead by max(projection FLOPs, weight bytes) + max(attention FLOPs, K/V bytes): `serial_s`, the
 bound of a sampler that does not overlap the two (the compact sampler's decode steps run them in
-turn). The old-log-prob pass and sampling itself are left out, so a real stage stays below the bound. `bound` is the memory time alone (the figure earlier entries of
-docs/benchmarks.md give).
+turn). The old-log-prob pass and sampling itself are left out, so a real stage stays below the bound.
+`bound` is the memory time alone (the figure earlier entries of docs/benchmarks.md give).
 """
 
 from __future__ import annotations
