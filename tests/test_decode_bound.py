@@ -50,6 +50,7 @@ def test_a_step_that_runs_its_projections_then_its_attention_is_bound_by_the_sum
         assert ph["bound_s"] <= ph["serial_s"] <= ph["compute_s"] + ph["memory_s"]
     assert rf["serial_s"] == pytest.approx(prefill["serial_s"] + full["serial_s"] + tail["serial_s"])
 
+
 def test_with_shared_prompts_a_step_reads_each_live_prompt_once():
     # Two prompts of 10 and 20 tokens, two attempts each: completions 3 and 5, 2 and 2.
     pairs = [(10, 3), (10, 5), (20, 2), (20, 2)]

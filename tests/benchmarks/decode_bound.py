@@ -113,12 +113,12 @@ def roofline(pairs: list[tuple[int, int]], attempts: int, shape: Shape, peak_flo
     kv = shape.kv_per_position
     prompts = [p for p, _ in pairs[::attempts]]
     # Prefill: causal attention over each prompt (position i attends to i + 1 positions).
-    flops = sum(2 * shape.params * p + attn * p * (p + 1) // 2 for p in prompts)
-    memory = shape.weight_bytes + sum(kv * p for p in prompts)  # the weights once, each prompt's K/V written
-    serial = (max(2 * shape.params * sum(prompts) / peak_flops, shape.weight_bytes / bandwidth)
-              + max(sum(attn * p * (p + 1) // 2 for p in prompts) / peak_flops,
-                    sum(kv * p for p in prompts) / bandwidth))
-    phases = {"prefill": _phase(flops / peak_flops, memory / bandwidth, serial, 1 if prompts else 0, 0)}
+    projections, attention = 2 * shape.params * sum(prompts), sum(attn * p * (p + 1) // 2 for p in prompts)
+    written = kv * sum(prompts)  # the weights are read once, each prompt's K/V written
+    serial = (max(projections / peak_flops, shape.weight_bytes / bandwidth)
+              + max(attention / peak_flops, written / bandwidth))
+    phases = {"prefill": _phase((projections + attention) / peak_flops, (shape.weight_bytes + written) / bandwidth,
+                                serial, 1 if prompts else 0, 0)}
     # Decode step k (k = 1 .. longest - 1; the first new token comes from the prefill's logits) runs
     # the sequences with more than k new tokens, each attending to its prompt and k tokens.
     by_length = sorted(range(len(pairs)), key=lambda j: pairs[j][1], reverse=True)
