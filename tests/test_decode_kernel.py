@@ -184,3 +184,75 @@ def test_the_sampler_draws_the_policys_tokens_through_the_kernel(kernels_on, mon
         assert diffs.max() < 1e-4, diffs.max()
     else:
         assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
+
+
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+def test_prompts_held_apart_give_the_policys_tokens_through_shared_reads_and_rounds(kernels_on, monkeypatch):
+    """With the decode kernel the buffer holds each prompt's K/V once, apart from the rows, which hold only
+    their own positions: all the sequences start at once in a buffer where rows holding a copy of their
+    prompt would not fit, and the policy's tokens come out through the prompts' shared reads, compactions
+    and a spilled round (whose prefixes are held apart in turn). Compactions: the next test."""
+    from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length
+    from stages.rl.modeling import token_logprobs
+    from tests.test_fused_layers import models
+
+    device = kernels_on
+    plain, fused = models("llama", device)
+    monkeypatch.setattr(decoding, "SHARE_PROMPTS_FROM", 8)  # these prompts are short: read them once a group anyway
+    monkeypatch.setattr(decoding, "LENGTH_STEP", 8)  # rows of 8 positions of their own: few decode steps a round
+    prompts = [[5 + (i * 7 + j) % 50 for j in range(12 + 18 * i)] for i in range(2)]  # 12 and 30 tokens
+    eos = 3
+    width, n = 30, 2 * 3
+    positions = 2 * width + n * 8 + 40  # each prompt once, and 8 positions of its own a row (not 16)
+    assert n * (width + 8) > positions
+    params = SamplingParams(max_new_tokens=16, eos_token_id=eos, pad_token_id=0)
+    seen = []
+    step = decoding.CompactDecoder._step
+    monkeypatch.setattr(decoding.CompactDecoder, "_step",
+                        lambda self, b, attend: seen.append((self.cache.layout, self._share)) or step(self, b, attend))
+    dec = CompactDecoder(fused.eval(), rows=n, length=buffer_length(width, 16), cuda_graphs=device == "cuda",
+                         positions=positions)
+    ids, lps = dec.sample(prompts, 3, params, torch.Generator(device).manual_seed(3), record_logprobs=True)
+    st = dec.stats
+    assert dec.decode_kernel and st.spilled > 0 and st.rounds >= 2, st
+    assert seen[0] == ((n, width + 8, 2, width), True)  # the first call: every row, the prompts apart and shared
+    assert all(layout[3] > 0 for layout, _ in seen) and not all(share for _, share in seen)
+    assert max(len(c) for c in ids) > 8  # a spilled sequence went on in the next round
+    diffs = []
+    for j, (completion, lp) in enumerate(zip(ids, lps)):
+        assert eos not in completion[:-1] and (len(completion) == 16 or completion[-1] == eos)
+        x = torch.tensor([prompts[j // 3] + completion], device=device)
+        with torch.no_grad():
+            logits = plain.eval()(input_ids=x).logits
+        k = len(prompts[j // 3])
+        diffs.append((token_logprobs(logits[:, k - 1:-1], x[:, k:])[0].cpu() - torch.tensor(lp)).abs())
+    diffs = torch.cat(diffs)
+    if device == "cpu":
+        assert diffs.max() < 1e-4, diffs.max()
+    else:
+        assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
+
+
+def test_a_compaction_moves_the_rows_own_positions_and_which_prompt_each_reads(kernels_on):
+    """Prompts held apart: a compaction moves each live row's own positions and its prompt's index to the
+    front, in order, and leaves the prompts' region as it is."""
+    from stages.rl.decoding import CompactDecoder, buffer_length
+    from tests.test_fused_layers import models
+
+    _, fused = models("llama", "cpu")
+    dec = CompactDecoder(fused.eval(), rows=8, length=buffer_length(4, 6), cuda_graphs=False)
+    dec.cache.set_layout(8, buffer_length(4, 6), 3, 4)
+    with torch.no_grad():
+        dec._prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [3, 1, 4], 4)
+    assert dec.row_prompt.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
+    prompts_before = [k.clone() for k in dec.cache.prompt_keys]
+    for key in dec.cache.keys:  # two positions of each row's own, marked with the row
+        key[:, :, :2] = torch.arange(8.0).view(8, 1, 1, 1)
+    done = torch.tensor([True, False, False, True, False, True, False, False])
+    tokens, results = torch.zeros(8, 6, dtype=torch.long), torch.zeros(8, 6, dtype=torch.long)
+    # Live: rows 1 and 2 (the first prompt's), 4, 6 and 7 (the third's); the next write is at position 6.
+    assert dec._compact(8, 6, 5, 6, done, torch.arange(8), tokens, None, results, None) == 6
+    assert dec.row_prompt[:6].tolist() == [0, 0, 2, 2, 2, 0] and dec.prompts.group_rows[:6].tolist() == [2, 0, 3, 0, 0, 1]
+    for key in dec.cache.keys:
+        assert key[:5, :, :2].flatten(1).amin(1).tolist() == [1.0, 2.0, 4.0, 6.0, 7.0]
+    assert all(torch.equal(k, before) for k, before in zip(dec.cache.prompt_keys, prompts_before))

@@ -173,18 +173,19 @@ def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
     assert again == ids
 
 
+
 def test_rounds_are_planned_from_the_buffer():
     from types import SimpleNamespace
 
     from stages.rl.decoding import CompactDecoder as D
 
-    def decoder(rows, positions):  # what _plan reads of a decoder
-        dec = SimpleNamespace(rows=rows, positions=positions)
+    def decoder(rows, positions, apart=False):  # what _plan reads of a decoder (apart: the decode kernel's layout)
+        dec = SimpleNamespace(rows=rows, positions=positions, decode_kernel=apart)
         dec._calls_by_width = lambda groups, remaining: D._calls_by_width(dec, groups, remaining)
         return dec
 
-    def plan(rows, positions, groups, remaining):
-        dec = decoder(rows, positions)
+    def plan(rows, positions, groups, remaining, apart=False):
+        dec = decoder(rows, positions, apart)
         return [(sum(len(q) for _, q in g), r, n) for g, r, n in D._plan(dec, groups, remaining)]
 
     prompts = [([1] * 60, list(range(i * 8, i * 8 + 8))) for i in range(256)]  # 2,048 sequences
@@ -208,6 +209,14 @@ def test_rounds_are_planned_from_the_buffer():
     assert plan(1024, positions, gsm, 512) == [(720, 720, 640), (304, 400, 1152)]
     with pytest.raises(ValueError, match="not one row of a 600-token prefix"):
         plan(1024, 1000, gsm, 512)
+    # Each prompt's K/V held once, apart from the rows: the 128 prompts take 128 x 600 positions, and the
+    # rest gives every row 320 of its own (>= 512 / 4): all 1,024 at once.
+    assert plan(1024, positions, gsm, 512, apart=True) == [(1024, 1024, 920)]
+    # With less room, calls of full-length rows, each with its prompts once: rows of the 100-token
+    # prompts hold 540 positions (39 prompts, 312 rows: 39 x 100 + 312 x 540 <= 172,800).
+    calls = plan(1024, 150 * 1152, gsm, 512, apart=True)
+    assert calls[0] == (312, 312, 640) and sum(n for n, _, _ in calls) == 1024
+    assert len(calls) < len(plan(1024, 150 * 1152, gsm, 512))
 
 
 def test_ladder_and_buffer_shapes():

@@ -13,17 +13,18 @@ cache. This loop runs the same model forward, with three differences:
 - on GPU, each (batch size, prefix length) decode step is captured once as a CUDA graph and
   replayed, so a step costs one launch instead of a few hundred; the decode kernel reads the prefix
   length from the GPU, so with it one graph per batch size serves every prefix length;
-- with the decode kernel, the attempts of one prompt (consecutive rows, each holding a copy of the
-  prompt's K/V) read the prompt's positions once for all of them while they are many and the prompt
-  long (SharedPrompts), then each its own positions.
+- with the decode kernel, each prompt's K/V is held once, in a region of the buffer apart from the
+  rows, which hold only the positions after the prompts: a call holds more rows. The attempts of one
+  prompt (consecutive rows) read the prompt's positions once for all of them while they are many and
+  the prompt long (SharedPrompts), then each on its own.
 
 The buffer holds as many K/V positions as fit the free GPU memory (generate.memory_fraction). When
 that is fewer than every sequence reaching max_new_tokens needs, all sequences still start at once,
 in rows shorter than the longest completion: the few still going when their row is full are
 spilled, and a later round continues them in longer rows, prefilled from their tokens so far. RL
 completions are mostly far shorter than the cap, so this decodes one tail of steps where calls of
-full-length rows would each decode their own. Prompts are prefilled once and their cache copied to
-each attempt. Sampling is HF's: temperature, then top-p, then a draw from the softmax, each sequence
+full-length rows would each decode their own. Prompts are prefilled once; without the decode kernel
+their cache is copied to each attempt's row. Sampling is HF's: temperature, then top-p, then a draw from the softmax, each sequence
 keeping its end-of-sequence token and stopping there or at max_new_tokens. The model is used only
 through its forward (input ids, position ids, a 4-D additive mask, a cache object with `update`),
 so any HF decoder whose layers all use full attention works; others are refused with the setting to
@@ -197,7 +198,9 @@ def kernel_decode_attention(module, query, key, value, attention_mask, dropout=0
     from stages.rl.fused_layers import kernels
 
     b, heads, q_len, dim = query.shape
-    kv_heads, attend = key.shape[1], key.shape[2]
+    apart = _prompts_apart
+    held = apart.held if apart is not None else 0
+    kv_heads, attend = key.shape[1], key.shape[2] + held
     if q_len != 1:
         raise ValueError(f"the decode kernel serves single-position decode steps (got {q_len} query positions)")
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -210,22 +213,30 @@ def kernel_decode_attention(module, query, key, value, attention_mask, dropout=0
                        dtype=torch.float32, device=query.device)
     k = kernels()
     scale = scaling or dim ** -0.5
+    if apart is not None:  # the layer's region of prompts, which the rows' views do not reach
+        kp, vp = apart.keys[module.layer_idx], apart.values[module.layer_idx]
+        if kp.stride(2) != key.stride(2) or vp.stride(2) != value.stride(2):
+            raise ValueError("the decode kernel reads the prompts' region with the rows' position stride")
+        row_prompt, prompt_strides = apart.row_prompt, (kp.stride(0), kp.stride(1))
+    else:
+        kp, vp, row_prompt, prompt_strides = key, value, part, (0, 0)
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2), value.stride(0),
-               value.stride(1), value.stride(2), mask.stride(0))
+               value.stride(1), value.stride(2), mask.stride(0), *prompt_strides)
     # Where rows are too few to fill the GPU the prefix is split instead, and groups of rows are small.
     prompts = _shared_prompts if splits == 1 else None
     if prompts is not None:
         # The prompt's positions once per group of rows, then each row's own (decode_step_state).
         k.decode_attention_prompt[(b, kv_heads)](
-            query, key, value, mask, prompts.part, prompts.group_rows, prompts.width, *strides, scale,
-            KV_HEADS=kv_heads, GROUP=group, G2=pow2(group), ROWS=max(1, 32 // pow2(group)), DIM=dim,
-            BLOCK=KERNEL_BLOCK)
+            query, key, value, kp, vp, row_prompt, mask, prompts.part, prompts.group_rows, prompts.width, *strides,
+            scale, KV_HEADS=kv_heads, GROUP=group, G2=pow2(group), ROWS=max(1, 32 // pow2(group)), DIM=dim,
+            BLOCK=KERNEL_BLOCK, APART=apart is not None)
     written = _written_at
     shape = dict(KV_HEADS=kv_heads, GROUP=group, G_P2=max(16, pow2(group)), DIM=dim)
     k.decode_attention[(b * kv_heads, splits)](
-        query, key, value, mask, out, part, prompts.part if prompts else part, prompts.width if prompts else part,
-        written if written is not None else part, *strides, out.stride(0), out.stride(2), attend, scale,
-        BLOCK=KERNEL_BLOCK, SPLITS=splits, SHARED=prompts is not None, WRITTEN=written is not None, **shape)
+        query, key, value, kp, vp, row_prompt, mask, out, part, prompts.part if prompts else part,
+        prompts.width if prompts else part, written if written is not None else part, *strides, out.stride(0),
+        out.stride(2), attend, held, scale, BLOCK=KERNEL_BLOCK, SPLITS=splits, SHARED=prompts is not None,
+        WRITTEN=written is not None, APART=apart is not None, **shape)
     if splits > 1:
         k.decode_attention_combine[(b * kv_heads,)](part, out, out.stride(0), out.stride(2), SPLITS=splits, **shape)
     return out, None
@@ -244,29 +255,45 @@ class SharedPrompts:
     part: torch.Tensor
 
 
+@dataclass
+class PromptsApart:
+    """Where the decode kernel finds a row's prompt when the buffer holds each prompt's K/V once, apart
+    from the rows (RowCache.set_layout with prompts): each layer's region of prompts, which prompt each
+    row reads (row_prompt [rows] int32, on the device, kept through compactions) and the positions the
+    prompts take, after which the rows' own begin."""
+    keys: list
+    values: list
+    row_prompt: torch.Tensor
+    held: int
+
+
 # Set around a decode step's forward by the compact sampler (the attention interface passes no state
-# of the caller's to kernel_decode_attention): the rows' shared prompts, where they share them, and
-# the position the step writes, a device scalar, when K, V and the mask span the whole buffer row.
+# of the caller's to kernel_decode_attention): the rows' shared prompts, where they share them; the
+# position the step writes, a device scalar, when K, V and the mask span the whole buffer row; and the
+# prompts' region, where the prompts are held apart.
 _shared_prompts: SharedPrompts | None = None
 _written_at: torch.Tensor | None = None
+_prompts_apart: PromptsApart | None = None
 
 
 class decode_step_state:
-    """`with decode_step_state(prompts, written):` the decode kernel reads the prompts' positions once
-    per group (`prompts`; None: each row its own) and the prefix up to the position `written` holds
-    (None: all of K and V as given)."""
+    """`with decode_step_state(prompts, written, apart):` the decode kernel reads the prompts' positions
+    once per group (`prompts`; None: each row its own), the prefix up to the position `written` holds
+    (None: all of K and V as given), and each row's prompt from the prompts' region (`apart`; None: K and
+    V hold every position)."""
 
-    def __init__(self, prompts: SharedPrompts | None, written: torch.Tensor | None = None):
-        self.state = prompts, written
+    def __init__(self, prompts: SharedPrompts | None, written: torch.Tensor | None = None,
+                 apart: PromptsApart | None = None):
+        self.state = prompts, written, apart
 
     def __enter__(self):
-        global _shared_prompts, _written_at
-        self.before = _shared_prompts, _written_at
-        _shared_prompts, _written_at = self.state
+        global _shared_prompts, _written_at, _prompts_apart
+        self.before = _shared_prompts, _written_at, _prompts_apart
+        _shared_prompts, _written_at, _prompts_apart = self.state
 
     def __exit__(self, *exc):
-        global _shared_prompts, _written_at
-        _shared_prompts, _written_at = self.before
+        global _shared_prompts, _written_at, _prompts_apart
+        _shared_prompts, _written_at, _prompts_apart = self.before
 
 
 # Positions the decode kernel reads a block at a time.
@@ -343,18 +370,27 @@ class RowCache:
         self.write_at = self._write_at[layer_devices[0]]
         self._layer_devices = layer_devices
         self._prefill_rows: dict = {}
-        self.prefill_rows: torch.Tensor | None = None  # prefill: buffer rows of the prompts
+        self.prefill_rows: torch.Tensor | None = None  # prefill: the prompts' buffer rows (held apart: regions)
         self.set_layout(1, positions)
 
-    def set_layout(self, rows: int, length: int) -> None:
-        """View the buffer as `rows` rows of `length` positions (at most the positions it holds)."""
-        if rows * length > self.positions:
-            raise ValueError(f"{rows} rows x {length} positions exceed the buffer's {self.positions} positions")
+    def set_layout(self, rows: int, length: int, prompts: int = 0, width: int = 0) -> None:
+        """View the buffer as `rows` rows of `length` positions (at most the positions it holds). With
+        `prompts`, the first `width` positions of a row are its prompt's, held once for all of its rows
+        in a region after the rows' (`prompt_keys`, `prompt_values`: [prompts, heads, width, head_dim]),
+        and a row holds only positions width..length (prompts apart; the decode kernel's layout)."""
+        held = width if prompts else 0  # positions of each row held in the prompts' region
+        if rows * (length - held) + prompts * held > self.positions:
+            raise ValueError(f"{rows} rows x {length} positions ({prompts} prompts of {width} held apart) exceed "
+                             f"the buffer's {self.positions} positions")
         heads, head_dim = self._shape
-        n = rows * heads * length * head_dim
-        self.keys = [k[:n].view(rows, heads, length, head_dim) for k in self._keys]
-        self.values = [v[:n].view(rows, heads, length, head_dim) for v in self._values]
-        self.rows, self.length = rows, length
+        n = rows * heads * (length - held) * head_dim
+        p = prompts * heads * held * head_dim
+        self.keys = [k[:n].view(rows, heads, length - held, head_dim) for k in self._keys]
+        self.values = [v[:n].view(rows, heads, length - held, head_dim) for v in self._values]
+        self.prompt_keys = [k[n:n + p].view(prompts, heads, held, head_dim) for k in self._keys]
+        self.prompt_values = [v[n:n + p].view(prompts, heads, held, head_dim) for v in self._values]
+        self.rows, self.length, self.held = rows, length, held
+        self.layout = (rows, length, prompts, held)
         self.active, self.attend = rows, length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -363,23 +399,26 @@ class RowCache:
         if self.prefill_rows is not None:
             width = key_states.shape[2]
             rows = self._prefill_rows.setdefault(device, self.prefill_rows.to(device))
+            if self.held:
+                k, v = self.prompt_keys[layer_idx], self.prompt_values[layer_idx]
             k[:, :, :width].index_copy_(0, rows, key_states)
             v[:, :, :width].index_copy_(0, rows, value_states)
             return key_states, value_states
         k, v = k[:self.active], v[:self.active]
         k.index_copy_(2, self._write_at[device], key_states)
         v.index_copy_(2, self._write_at[device], value_states)
-        return k[:, :, :self.attend], v[:, :, :self.attend]
+        return k[:, :, :self.attend - self.held], v[:, :, :self.attend - self.held]
 
     def set_prefill_rows(self, rows: torch.Tensor | None) -> None:
         self.prefill_rows, self._prefill_rows = rows, {}
 
     def set_write_position(self, pos: int) -> None:
+        """The next decode step writes position `pos` of every row (held apart: index pos - width of its own)."""
         for t in self._write_at.values():
-            t.fill_(pos)
+            t.fill_(pos - self.held)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.write_at.item())
+        return int(self.write_at.item()) + self.held
 
     def nbytes(self) -> int:
         return 2 * sum(k.numel() * k.element_size() for k in self._keys)
@@ -439,9 +478,12 @@ class CompactDecoder:
                                          torch.empty(rows * heads * group * (dim + 2), dtype=torch.float32,
                                                      device=self.device))
             self.group_of_row = torch.zeros(rows, dtype=torch.long, device=self.device)
+            # With the kernel each prompt's K/V is held once, apart from the rows: which one each row reads.
+            self.row_prompt = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        self._apart: PromptsApart | None = None
         # One graph per (buffer layout, rows decoded, attended prefix, prompts shared): a layout's views
         # have their own addresses and strides. The decode kernel's graphs leave the prefix out.
-        self.graphs: dict[tuple[int, int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._stream = None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -490,7 +532,10 @@ class CompactDecoder:
         at_once = min(n, self.rows)
         calls = math.ceil(n / at_once)
         per_call = math.ceil(n / calls)
-        length = min(full, LENGTH_STEP * (self.positions // per_call // LENGTH_STEP))
+        # Held apart (the decode kernel), a call's prompts take their width once each, its rows the rest.
+        held = width if self.decode_kernel else 0
+        room = self.positions - min(len(groups), per_call) * held
+        length = min(full, held + LENGTH_STEP * (max(0, room) // per_call // LENGTH_STEP))
         if length == full and calls > 1 or \
                 length < full and length - width < max(LENGTH_STEP, remaining * MIN_ROUND_SHARE):
             return self._calls_by_width(groups, remaining)
@@ -516,25 +561,28 @@ class CompactDecoder:
         than rows sized for the longest prompt of all would, so there are fewer calls, and each call
         reads the weights at every one of its steps. A call's rows are all its width fits (calls of one
         width share a layout, and with it their CUDA graphs)."""
-        def rows_at(width: int) -> int:
-            return min(self.rows, self.positions // buffer_length(width, remaining))
+        def rows_at(width: int, prompts: int) -> int:
+            full = buffer_length(width, remaining)
+            if not self.decode_kernel:
+                return min(self.rows, self.positions // full)
+            return min(self.rows, (self.positions - prompts * width) // (full - width))  # prompts held apart
 
         chunks, current, size, width = [], [], 0, 0
         for prefix, qs in sorted(groups, key=lambda g: len(g[0])):
             while qs:  # a prompt's attempts may go in two calls: each prefills the prompt
-                room = rows_at(max(width, len(prefix))) - size
+                room = rows_at(max(width, len(prefix)), len(current) + 1) - size
                 if room <= 0 and not current:
                     raise ValueError(f"not one row of a {len(prefix)}-token prefix and {remaining} new tokens fits "
                                      f"the buffer's {self.positions} positions")
                 if room <= 0:  # this prefix would shorten the call below what it holds: the call is full
-                    chunks.append((current, rows_at(width), buffer_length(width, remaining)))
+                    chunks.append((current, rows_at(width, len(current)), buffer_length(width, remaining)))
                     current, size, width = [], 0, 0
                     continue
                 take = qs[:room]
                 current.append((prefix, take))
                 size, width, qs = size + len(take), max(width, len(prefix)), qs[len(take):]
         if current:
-            chunks.append((current, rows_at(width), buffer_length(width, remaining)))
+            chunks.append((current, rows_at(width, len(current)), buffer_length(width, remaining)))
         return chunks
 
     def _call(self, prefixes, counts, params: SamplingParams, generator, record_logprobs, rows: int, length: int):
@@ -545,7 +593,11 @@ class CompactDecoder:
         if width >= length or n_seq > rows:
             raise ValueError(f"{n_seq} sequences of prefix width {width} do not fit a layout of "
                              f"{rows} rows x {length} positions")
-        self.cache.set_layout(rows, length)
+        if self.decode_kernel:  # each prompt's K/V once, apart from the rows
+            self.cache.set_layout(rows, length, len(prefixes), width)
+            self._apart = PromptsApart(self.cache.prompt_keys, self.cache.prompt_values, self.row_prompt, width)
+        else:
+            self.cache.set_layout(rows, length)
         st = self.stats
         st.calls += 1
         dev, n_new = self.device, params.max_new_tokens
@@ -623,8 +675,10 @@ class CompactDecoder:
         return ids_out, lp_out, cut
 
     def _prefill(self, prefixes, counts, width):
-        """Every prefix's cache, left-padded to `width`, into its `counts` rows (consecutive); the last
-        position's logits into each row's logits."""
+        """Every prefix's cache, left-padded to `width`, into its `counts` rows (consecutive), or once into
+        the prompts' region where the layout holds them apart; the last position's logits into each
+        row's logits."""
+        apart = self.cache.held > 0
         n_prompt = len(prefixes)
         counts_t = torch.tensor(counts, device=self.device)
         pads = torch.tensor([width - len(p) for p in prefixes], device=self.device)
@@ -640,17 +694,20 @@ class CompactDecoder:
             j = min(n_prompt, i + per_pass)
             allowed = causal.unsqueeze(0) & real[i:j].unsqueeze(1)  # [n, q, k]
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, neg)
-            self.cache.set_prefill_rows(first_rows[i:j])
+            self.cache.set_prefill_rows(torch.arange(i, j, device=self.device) if apart else first_rows[i:j])
             out = self.model(input_ids=ids[i:j], position_ids=positions[i:j], attention_mask=mask.unsqueeze(1),
                              use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
             self.logits[first_rows[i:j]] = out.logits[:, -1].float()
         self.cache.set_prefill_rows(None)
         n_seq = sum(counts)
-        if n_seq > n_prompt:  # copy each prefix's cache and logits to its group's other rows
+        if n_seq > n_prompt:  # each prefix's logits (and, in rows of their own, its cache) to its group's other rows
             source = first_rows.repeat_interleave(counts_t)
-            for k in self.cache.keys + self.cache.values:
-                k[:n_seq, :, :width] = k[source, :, :width]
+            if not apart:
+                for k in self.cache.keys + self.cache.values:
+                    k[:n_seq, :, :width] = k[source, :, :width]
             self.logits[:n_seq] = self.logits[source]
+        if apart:
+            self.row_prompt[:n_seq] = torch.arange(n_prompt, device=self.device).repeat_interleave(counts_t).int()
         self._share = self.prompts is not None and width >= SHARE_PROMPTS_FROM and \
             n_seq >= SHARE_ROWS_PER_GROUP * n_prompt
         if self.prompts is not None:
@@ -691,9 +748,9 @@ class CompactDecoder:
             graph = self._capture(b, attend)
         graph.replay()
 
-    def _graph_key(self, b: int, attend: int) -> tuple[int, int, int, int, bool]:
+    def _graph_key(self, b: int, attend: int) -> tuple:
         # The decode kernel's steps read their prefix length on the GPU: one graph for all of them.
-        return self.cache.rows, self.cache.length, b, 0 if self.decode_kernel else attend, self._share
+        return *self.cache.layout, b, 0 if self.decode_kernel else attend, self._share
 
     def _step(self, b: int, attend: int) -> None:
         config = self.model.config
@@ -708,7 +765,8 @@ class CompactDecoder:
             config._attn_implementation = DECODE_ATTENTION
         self.cache.active, self.cache.attend = b, attend
         try:
-            with decode_step_state(self.prompts if self._share else None, written):
+            with decode_step_state(self.prompts if self._share else None, written,
+                                   self._apart if self.cache.held else None):
                 out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
                                  attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
                                  **{self._cache_kw: self.cache})
@@ -750,8 +808,12 @@ class CompactDecoder:
         keep = torch.nonzero(~done[:b]).squeeze(1)
         finished = torch.nonzero(done[:b]).squeeze(1)
         self._collect(finished, seq_of_row, tokens, logprobs, results, results_lp)
+        own = written - self.cache.held  # positions the rows hold themselves (held apart: after the prompts)
         for k in self.cache.keys + self.cache.values:
-            k[:live, :, :written] = k[keep, :, :written]
+            k[:live, :, :own] = k[keep, :, :own]
+        if self.cache.held:
+            self.row_prompt[:live] = self.row_prompt[keep]
+            self.row_prompt[live:new_b] = 0  # a padding row reads some prompt; its output is never collected
         for buf in (self.position_ids, self.mask, self.logits, tokens, seq_of_row, done) + \
                 ((logprobs,) if logprobs is not None else ()):
             buf[:live] = buf[keep]

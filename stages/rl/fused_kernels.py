@@ -130,10 +130,11 @@ def attend_positions(queries, keys_at, values_at, bias_at, s_kl, s_vl, start, en
 
 
 @triton.jit
-def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, written, s_qb, s_qh, s_kb, s_kh, s_kl,
-                     s_vb, s_vh, s_vl, s_mb, s_ob, s_oh, attend, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                     G_P2: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                     SHARED: tl.constexpr, WRITTEN: tl.constexpr):
+def decode_attention(q, k, v, kp, vp, row_prompt, mask, out, part, prompt_part, prompt_width, written, s_qb, s_qh,
+                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb, s_pb, s_ph, s_ob, s_oh, attend, held, scale,
+                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr, DIM: tl.constexpr,
+                     BLOCK: tl.constexpr, SPLITS: tl.constexpr, SHARED: tl.constexpr, WRITTEN: tl.constexpr,
+                     APART: tl.constexpr):
     # One program per (row, K/V head, split of the prefix): the GROUP query heads that share the K/V head
     # attend together, so each K/V block is read once for all of them. Scores are float32 and stay
     # finite (floored at -1e30): a split whose positions are all masked (a row's left padding) ends
@@ -142,6 +143,9 @@ def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, writte
     # (the prompt, the same for a group of rows); this program goes on from its result over the rest.
     # WRITTEN: the prefix ends after the position `written` holds (a device scalar the sampler sets each
     # step, so one captured step serves every prefix length); `attend` is then only the buffer's length.
+    # APART: the first `held` positions of a row are its prompt's, row_prompt[row] of the prompts' region
+    # (kp, vp: [prompts, KV_HEADS, held, DIM]); k and v hold the row's own positions from `held` on, and
+    # `written` indexes them.
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = bh // KV_HEADS
@@ -162,12 +166,22 @@ def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, writte
         total = tl.full([G_P2], 0.0, tl.float32)
         acc = tl.full([G_P2, DIM], 0.0, tl.float32)
     if WRITTEN:
-        attend = tl.load(written).to(tl.int32) + 1
+        attend = tl.load(written).to(tl.int32) + 1 + held
     chunk = BLOCK * ((attend - lo + SPLITS * BLOCK - 1) // (SPLITS * BLOCK))
     start = lo + split * chunk
     end = tl.minimum(start + chunk, attend)
-    m, total, acc = attend_positions(queries, k + row * s_kb + head * s_kh, v + row * s_vb + head * s_vh,
-                                     mask + row * s_mb, s_kl, s_vl, start, end, scale, m, total, acc, d, BLOCK)
+    if APART:
+        pr = tl.load(row_prompt + row).to(tl.int64)
+        m, total, acc = attend_positions(queries, kp + pr * s_pb + head * s_ph, vp + pr * s_pb + head * s_ph,
+                                         mask + row * s_mb, s_kl, s_vl, start, tl.minimum(end, held), scale, m, total,
+                                         acc, d, BLOCK)
+        # The row's own positions: its buffer row's index 0 is position `held`.
+        m, total, acc = attend_positions(queries, k + row * s_kb + head * s_kh - held * s_kl,
+                                         v + row * s_vb + head * s_vh - held * s_vl, mask + row * s_mb, s_kl, s_vl,
+                                         tl.maximum(start, held), end, scale, m, total, acc, d, BLOCK)
+    else:
+        m, total, acc = attend_positions(queries, k + row * s_kb + head * s_kh, v + row * s_vb + head * s_vh,
+                                         mask + row * s_mb, s_kl, s_vl, start, end, scale, m, total, acc, d, BLOCK)
     if SPLITS == 1:
         o = acc / total[:, None]
         tl.store(out + row * s_ob + (head * GROUP + g)[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty),
@@ -181,18 +195,27 @@ def decode_attention(q, k, v, mask, out, part, prompt_part, prompt_width, writte
 
 
 @triton.jit
-def decode_attention_prompt(q, k, v, mask, prompt_part, group_rows, prompt_width, s_qb, s_qh, s_kb, s_kh, s_kl,
-                            s_vb, s_vh, s_vl, s_mb, scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                            G2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+def decode_attention_prompt(q, k, v, kp, vp, row_prompt, mask, prompt_part, group_rows, prompt_width, s_qb, s_qh,
+                            s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb, s_pb, s_ph, scale, KV_HEADS: tl.constexpr,
+                            GROUP: tl.constexpr, G2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+                            BLOCK: tl.constexpr, APART: tl.constexpr):
     # One program per (row, K/V head). A row that leads a group of consecutive rows (group_rows[row] > 0:
     # a prompt's attempts, whose buffer rows hold the same copy of the prompt's K/V) attends for all of
     # them over the prompt's positions, ROWS rows x GROUP heads of queries at a time, so each K/V block
     # of the prompt is read once for the group instead of once a row; the other programs have nothing
     # to do. Each row's unnormalised output, maximum and sum go to prompt_part for decode_attention.
+    # APART: the group's prompt is row_prompt[row] of the prompts' region (decode_attention's APART).
     row0 = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     count = tl.load(group_rows + row0)
     width = tl.load(prompt_width)
+    if APART:
+        pr = tl.load(row_prompt + row0).to(tl.int64)
+        keys_at = kp + pr * s_pb + head * s_ph
+        values_at = vp + pr * s_pb + head * s_ph
+    else:
+        keys_at = k + row0 * s_kb + head * s_kh
+        values_at = v + row0 * s_vb + head * s_vh
     i = tl.arange(0, ROWS * G2)
     r = i // G2
     g = i % G2
@@ -205,8 +228,8 @@ def decode_attention_prompt(q, k, v, mask, prompt_part, group_rows, prompt_width
         m = tl.full([ROWS * G2], -1e30, tl.float32)
         total = tl.full([ROWS * G2], 0.0, tl.float32)
         acc = tl.full([ROWS * G2, DIM], 0.0, tl.float32)
-        m, total, acc = attend_positions(queries, k + row0 * s_kb + head * s_kh, v + row0 * s_vb + head * s_vh,
-                                         mask + row0 * s_mb, s_kl, s_vl, 0, width, scale, m, total, acc, d, BLOCK)
+        m, total, acc = attend_positions(queries, keys_at, values_at, mask + row0 * s_mb, s_kl, s_vl, 0, width, scale,
+                                         m, total, acc, d, BLOCK)
         base = prompt_part + ((rows * KV_HEADS + head) * GROUP + g) * (DIM + 2)
         tl.store(base[:, None] + d[None, :], acc, mask=lane[:, None])
         tl.store(base + DIM, m, mask=lane)
