@@ -256,3 +256,31 @@ def test_a_compaction_moves_the_rows_own_positions_and_which_prompt_each_reads(k
     for key in dec.cache.keys:
         assert key[:5, :, :2].flatten(1).amin(1).tolist() == [1.0, 2.0, 4.0, 6.0, 7.0]
     assert all(torch.equal(k, before) for k, before in zip(dec.cache.prompt_keys, prompts_before))
+
+
+def test_full_rows_are_laid_out_again_longer_in_the_room_of_ended_ones(kernels_on, monkeypatch):
+    """Prompts held apart, the rows full: where the live sequences now decode in fewer rows, the rows'
+    region is laid out again as those rows, longer (up to the row a sequence may need), each row's own
+    positions where its new view reads them and the prompts' region as it was; where every row still
+    decodes there is no longer row, and the sequences spill instead."""
+    from stages.rl.decoding import CompactDecoder, buffer_length
+    from tests.test_fused_layers import models
+
+    monkeypatch.setattr(decoding, "LENGTH_STEP", 8)
+    _, fused = models("llama", "cpu")
+    dec = CompactDecoder(fused.eval(), rows=8, length=buffer_length(4, 29), cuda_graphs=False)
+    dec.cache.set_layout(8, 4 + 8, 3, 4)  # 8 positions of their own a row
+    with torch.no_grad():
+        dec._prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [3, 1, 4], 4)
+    prompts_before = [k.clone() for k in dec.cache.prompt_keys + dec.cache.prompt_values]
+    marks = torch.arange(8.0).view(8, 1, 1, 1) * 100 + torch.arange(8.0).view(1, 1, 8, 1)  # row r, position j
+    for buf in dec.cache.keys + dec.cache.values:
+        buf[:] = marks
+    assert not dec._widen(8, 12, 32) and dec.cache.layout == (8, 12, 3, 4)
+    # Two rows in the room of eight: 32 positions of their own, cut to the 28 a sequence may need.
+    assert dec._widen(2, 12, 32) and dec.cache.layout == (2, 32, 3, 4) and dec.stats.widenings == 1
+    for buf in dec.cache.keys + dec.cache.values:
+        assert buf.shape[:3] == (2, 2, 28) and torch.equal(buf[:, :, :8], marks[:2].expand(2, 2, 8, buf.shape[3]))
+    assert all(torch.equal(k, before) for k, before in
+               zip(dec.cache.prompt_keys + dec.cache.prompt_values, prompts_before))
+    assert dec._apart.keys is dec.cache.prompt_keys  # the kernel reads the prompts through the new views

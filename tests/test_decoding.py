@@ -50,11 +50,11 @@ def prompt_ids(tok, prompts=PROMPTS):
     return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
-def decode(model, prompts, attempts, params, seed, rows=None, record=False, graphs=True, positions=None):
+def decode(model, prompts, attempts, params, seed, rows=None, record=False, graphs=True, positions=None, kernel=True):
     device = next(model.parameters()).device
     rows = rows or len(prompts) * attempts
     dec = CompactDecoder(model, rows, buffer_length(max(map(len, prompts)), params.max_new_tokens), cuda_graphs=graphs,
-                         positions=positions)
+                         positions=positions, decode_kernel=kernel)
     gen = torch.Generator(device).manual_seed(seed)
     return dec.sample(prompts, attempts, params, gen, record_logprobs=record), dec
 
@@ -159,9 +159,10 @@ def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
     model, tok, frequent = models(device)
     prompts = prompt_ids(tok)
     # 30 sequences of up to 200 new tokens need rows of 256 positions; the buffer holds rows of 128
-    # for all 30: every sequence starts at once, and those still going after ~120 tokens spill.
+    # for all 30: every sequence starts at once, and those still going after ~120 tokens spill. (The
+    # decode kernel's layout lays full rows out again longer instead, where it can: the next test.)
     params = SamplingParams(max_new_tokens=200, temperature=1.5, eos_token_id=frequent, pad_token_id=tok.pad_token_id)
-    (ids, lps), dec = decode(model, prompts, 6, params, seed=4, record=True, positions=30 * 128)
+    (ids, lps), dec = decode(model, prompts, 6, params, seed=4, record=True, positions=30 * 128, kernel=False)
     st = dec.stats
     assert st.spilled > 0 and st.rounds >= 2 and st.calls >= 2, st
     # A spilled sequence drew 128 - width + 1 tokens in its first row, then went on in another.
@@ -169,8 +170,25 @@ def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
     for c, lp in zip(ids, lps):
         assert frequent not in c[:-1] and (len(c) == 200 or c[-1] == frequent) and len(lp) == len(c)
     assert_teacher_forced(model, prompts, 6, ids, lps, params.temperature, device)
-    again, _ = decode(model, prompts, 6, params, seed=4, positions=30 * 128)
+    again, _ = decode(model, prompts, 6, params, seed=4, positions=30 * 128, kernel=False)
     assert again == ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton's interpreter on the host is "
+                    "too slow for sequences long enough to fill their rows)")
+def test_full_rows_go_on_longer_in_the_room_of_ended_ones_with_the_policys_tokens(models):
+    # The decode kernel holds the prompts apart, so the 30 rows get 64 positions of their own each: when
+    # they are full, most sequences have ended and the live ones go on in longer rows, in the same call.
+    model, tok, frequent = models("cuda")
+    prompts = prompt_ids(tok)
+    params = SamplingParams(max_new_tokens=200, temperature=1.5, eos_token_id=frequent, pad_token_id=tok.pad_token_id)
+    (ids, lps), dec = decode(model, prompts, 6, params, seed=4, record=True, positions=30 * 128)
+    st = dec.stats
+    assert dec.decode_kernel and st.widenings > 0 and max(len(c) for c in ids) > 64, st
+    for c, lp in zip(ids, lps):
+        assert frequent not in c[:-1] and (len(c) == 200 or c[-1] == frequent) and len(lp) == len(c)
+    assert_teacher_forced(model, prompts, 6, ids, lps, params.temperature, "cuda")
 
 
 

@@ -20,8 +20,10 @@ cache. This loop runs the same model forward, with three differences:
 
 The buffer holds as many K/V positions as fit the free GPU memory (generate.memory_fraction). When
 that is fewer than every sequence reaching max_new_tokens needs, all sequences still start at once,
-in rows shorter than the longest completion: the few still going when their row is full are
-spilled, and a later round continues them in longer rows, prefilled from their tokens so far. RL
+in rows shorter than the longest completion. When the rows are full, with the prompts held apart,
+the live ones go on in longer rows laid out in the room of those that ended; the few still going
+when no longer row fits are spilled, and a later round continues them in longer rows, prefilled
+from their tokens so far. RL
 completions are mostly far shorter than the cap, so this decodes one tail of steps where calls of
 full-length rows would each decode their own. Prompts are prefilled once; without the decode kernel
 their cache is copied to each attempt's row. Sampling is HF's: temperature, then top-p, then a draw from the softmax, each sequence
@@ -78,6 +80,7 @@ class DecodeStats:
     steps: int = 0
     compactions: int = 0
     spilled: int = 0  # sequences whose row filled up, continued in a later round
+    widenings: int = 0  # full rows laid out again longer, in the room of rows that had ended
     rounds: int = 0
     graphs: int = 0
     graph_capture_s: float = 0.0
@@ -376,8 +379,9 @@ class RowCache:
     def set_layout(self, rows: int, length: int, prompts: int = 0, width: int = 0) -> None:
         """View the buffer as `rows` rows of `length` positions (at most the positions it holds). With
         `prompts`, the first `width` positions of a row are its prompt's, held once for all of its rows
-        in a region after the rows' (`prompt_keys`, `prompt_values`: [prompts, heads, width, head_dim]),
-        and a row holds only positions width..length (prompts apart; the decode kernel's layout)."""
+        in a region at the buffer's start (`prompt_keys`, `prompt_values`: [prompts, heads, width,
+        head_dim]), and a row holds only positions width..length, after that region (prompts apart; the
+        decode kernel's layout). The prompts' region stays in place when only the rows change."""
         held = width if prompts else 0  # positions of each row held in the prompts' region
         if rows * (length - held) + prompts * held > self.positions:
             raise ValueError(f"{rows} rows x {length} positions ({prompts} prompts of {width} held apart) exceed "
@@ -385,10 +389,10 @@ class RowCache:
         heads, head_dim = self._shape
         n = rows * heads * (length - held) * head_dim
         p = prompts * heads * held * head_dim
-        self.keys = [k[:n].view(rows, heads, length - held, head_dim) for k in self._keys]
-        self.values = [v[:n].view(rows, heads, length - held, head_dim) for v in self._values]
-        self.prompt_keys = [k[n:n + p].view(prompts, heads, held, head_dim) for k in self._keys]
-        self.prompt_values = [v[n:n + p].view(prompts, heads, held, head_dim) for v in self._values]
+        self.prompt_keys = [k[:p].view(prompts, heads, held, head_dim) for k in self._keys]
+        self.prompt_values = [v[:p].view(prompts, heads, held, head_dim) for v in self._values]
+        self.keys = [k[p:p + n].view(rows, heads, length - held, head_dim) for k in self._keys]
+        self.values = [v[p:p + n].view(rows, heads, length - held, head_dim) for v in self._values]
         self.rows, self.length, self.held = rows, length, held
         self.layout = (rows, length, prompts, held)
         self.active, self.attend = rows, length
@@ -615,6 +619,7 @@ class CompactDecoder:
         t1 = time.perf_counter()
         st.prefill_s += t1 - t0
         b, spilled, full = n_seq, False, True
+        longest = buffer_length(width, n_new)  # what a row of this call may need
         sizes = ladder(self.rows)
         for step in range(n_new):
             tok, lp = self._draw(b, params, generator, record_logprobs)
@@ -631,13 +636,15 @@ class CompactDecoder:
                 break
             # Feed the drawn tokens back: written at position width + step, attending to all before it.
             pos = width + step
-            if pos >= length:  # the rows are full: the live sequences continue in a later round
-                spilled = True
-                break
             smaller = [s for s in sizes if s >= live]
             if smaller[-1] < b:
                 b = self._compact(b, smaller[-1], live, pos, done, seq_of_row, tokens, logprobs,
                                   results, results_lp)
+            if pos >= length:  # the rows are full: longer rows where ended ones left room, else a later round
+                if not self._widen(b, pos, longest):
+                    spilled = True
+                    break
+                length = self.cache.length
             self.ids[:b, 0] = tokens[:b, step]
             self.mask[:b, 0, 0, pos] = 0
             self.cache.set_write_position(pos)
@@ -670,8 +677,9 @@ class CompactDecoder:
             lp_out.append(row_lp[:n] if row_lp is not None else None)
         st.spilled += len(cut)
         log.info("decoding call %d: %d sequences of width %d, %d steps, %d new tokens, %d spilled, in %.1fs "
-                 "(prefill %.2fs; %d compactions, %d graphs so far)", st.calls, n_seq, width, drawn,
-                 sum(len(x) for x in ids_out), len(cut), time.perf_counter() - t0, t1 - t0, st.compactions, st.graphs)
+                 "(prefill %.2fs; %d compactions, %d widenings, %d graphs so far)", st.calls, n_seq, width, drawn,
+                 sum(len(x) for x in ids_out), len(cut), time.perf_counter() - t0, t1 - t0, st.compactions,
+                 st.widenings, st.graphs)
         return ids_out, lp_out, cut
 
     def _prefill(self, prefixes, counts, width):
@@ -802,6 +810,30 @@ class CompactDecoder:
         self.stats.graphs += 1
         self.stats.graph_capture_s += time.perf_counter() - t0
         return graph
+
+    def _widen(self, b: int, written: int, longest: int) -> bool:
+        """The rows are full at position `written`. Where the prompts are held apart and rows have ended,
+        lay the rows' region out again as `b` rows as long as it allows (at most `longest`), each live
+        row's own positions copied to its new place: the sequences go on in this call instead of spilling
+        into a later round, whose prefill would compute their K/V again. False where no longer row fits."""
+        cache = self.cache
+        rows, length, prompts, held = cache.layout
+        own = LENGTH_STEP * (rows * (length - held) // b // LENGTH_STEP)
+        new_length = min(longest, held + own)
+        if not held or new_length <= written:
+            return False
+        kept = written - held
+        heads, dim = cache._shape
+        start = prompts * heads * held * dim  # the rows' region follows the prompts'
+        for flat, view in zip(cache._keys + cache._values, cache.keys + cache.values):
+            # The new rows overlap the old ones: through a copy, one layer at a time.
+            live = view[:b, :, :kept].clone()
+            flat[start:start + b * heads * (new_length - held) * dim].view(b, heads, new_length - held, dim)[
+                :, :, :kept] = live
+        cache.set_layout(b, new_length, prompts, held)
+        self._apart = PromptsApart(cache.prompt_keys, cache.prompt_values, self.row_prompt, held)
+        self.stats.widenings += 1
+        return True
 
     def _compact(self, b, new_b, live, written, done, seq_of_row, tokens, logprobs, results, results_lp) -> int:
         """Move the live rows to the front of every buffer and decode `new_b` rows from now on."""

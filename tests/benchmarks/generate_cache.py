@@ -139,6 +139,7 @@ def main() -> int:
         if cold.get("stats"):
             s = cold["stats"]
             print(f"{'':<28} calls {s.get('calls')} in {s.get('rounds')} round(s), {s.get('spilled')} spilled, "
+                  f"{s.get('widenings')} widenings, "
                   f"rows {s.get('rows')}, steps {s.get('steps')}, compactions "
                   f"{s.get('compactions')}, graphs {s.get('graphs')} ({s.get('graph_capture_s', 0):.2f}s to capture), "
                   f"prefill {s.get('prefill_s', 0):.2f}s; peak GPU {r['peak_gib']:.1f} GiB; "
