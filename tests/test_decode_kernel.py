@@ -82,6 +82,45 @@ def test_rows_that_share_a_prompt_read_it_once_and_attend_as_alone(kernels_on, h
 
 
 @pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
+@pytest.mark.parametrize("row_prompt, shared", [
+    ([1, 0], False),  # two rows, four programs: the prefix in two splits, the first across the prompt's end
+    ([0, 0, 0, 1], True),  # groups of rows that read their prompt once (one split)
+])
+def test_rows_whose_prompts_are_held_apart_attend_as_over_one_row(kernels_on, row_prompt, shared):
+    """Prompts held apart (a region of each prompt's K/V once; each row only its own positions after them,
+    and the index of its prompt): the kernel gives the products' attention over the prompt and the row
+    laid end to end, split or not, with the prompts read once a group or each row on its own."""
+    from types import SimpleNamespace
+
+    device = kernels_on
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows, heads, kv_heads, dim, held, own, written = len(row_prompt), 4, 2, 64, 70, 96, 90
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, 1, heads, dim, generator=g).to(device, dtype).transpose(1, 2)
+    region = torch.randn(2, 2, kv_heads, held, dim, generator=g).to(device, dtype)  # K and V of two prompts
+    mine = torch.randn(2, rows, kv_heads, own, dim, generator=g).to(device, dtype)  # each row's own positions
+    index = torch.tensor(row_prompt, dtype=torch.int32, device=device)
+    mask = torch.zeros(rows, 1, 1, held + own, dtype=dtype)
+    for r, i in enumerate(row_prompt):
+        mask[r, :, :, :17 * (i + 1)] = torch.finfo(dtype).min  # each prompt's own left padding
+    mask[:, :, :, held + written:] = torch.finfo(dtype).min  # positions not yet written
+    mask = mask.to(device)
+    whole = [torch.cat([region[x][index.long()], mine[x]], dim=2) for x in (0, 1)]
+    want, _ = decoding.decode_attention(None, q.float(), whole[0].float(), whole[1].float(), mask.float())
+    apart = decoding.PromptsApart([region[0]], [region[1]], index, held)
+    prompts = None
+    if shared:
+        group_rows = torch.tensor([3, 0, 0, 1], dtype=torch.int32, device=device)
+        prompts = decoding.SharedPrompts(group_rows, torch.tensor([held], dtype=torch.int32, device=device),
+                                         torch.full((rows * heads * (dim + 2),), float("nan"), device=device))
+    with decoding.decode_step_state(prompts, torch.tensor([written - 1], device=device), apart):
+        got, _ = decoding.kernel_decode_attention(SimpleNamespace(layer_idx=0), q, mine[0], mine[1], mask)
+    assert decoding.kernel_splits(rows * kv_heads, held + own, torch.device(device)) == (1 if shared else 2) or \
+        device == "cuda"
+    tol = 1e-5 if device == "cpu" else 2e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+@pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
 @pytest.mark.parametrize("rows, attend", [(3, 130), (1, 300), (12, 65)])  # one split; four; one, a block and a position
 def test_the_kernel_reads_the_prefix_up_to_the_written_position(kernels_on, rows, attend):
     """Given whole buffer rows and the written position on the device (as the sampler's captured steps
