@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length, ladder
+from stages.rl.decoding import APART_FROM, CompactDecoder, SamplingParams, buffer_length, ladder
 from stages.rl.modeling import load_policy, load_tokenizer, token_logprobs
 from stages.rl.tiny_model import create_base_model
 from tests.devices import DEVICES
@@ -178,18 +178,21 @@ def test_sequences_whose_rows_fill_continue_in_a_later_round(models, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton's interpreter on the host is "
                     "too slow for sequences long enough to fill their rows)")
 def test_full_rows_go_on_longer_in_the_room_of_ended_ones_with_the_policys_tokens(models):
-    # The decode kernel holds the prompts apart, so the 30 rows get 64 positions of their own each: when
-    # they are full, most sequences have ended and the live ones go on in longer rows, in the same call.
-    model, tok, frequent = models("cuda")
-    prompts = prompt_ids(tok)
+    # Prompts wide enough for the decode kernel to hold them apart (decoding.APART_FROM), so the 30 rows
+    # get 64 positions of their own each: when they are full, most sequences have ended and the live
+    # ones go on in longer rows, in the same call.
+    model, tok, _ = models("cuda")
+    prompts = prompt_ids(tok, ["Add the two numbers below and give only their sum, with no words: " + p for p in PROMPTS])
+    assert APART_FROM <= min(map(len, prompts)) and max(map(len, prompts)) < 80
+    with torch.no_grad():  # the model's most likely token after these prompts: sequences end often
+        frequent = int(model(input_ids=torch.tensor([prompts[0]], device="cuda")).logits[0, -1].argmax())
     params = SamplingParams(max_new_tokens=200, temperature=1.5, eos_token_id=frequent, pad_token_id=tok.pad_token_id)
-    (ids, lps), dec = decode(model, prompts, 6, params, seed=4, record=True, positions=30 * 128)
+    (ids, lps), dec = decode(model, prompts, 6, params, seed=4, record=True, positions=5 * 80 + 30 * 87)
     st = dec.stats
     assert dec.decode_kernel and st.widenings > 0 and max(len(c) for c in ids) > 64, st
     for c, lp in zip(ids, lps):
         assert frequent not in c[:-1] and (len(c) == 200 or c[-1] == frequent) and len(lp) == len(c)
     assert_teacher_forced(model, prompts, 6, ids, lps, params.temperature, "cuda")
-
 
 
 def test_rounds_are_planned_from_the_buffer():
@@ -200,16 +203,19 @@ def test_rounds_are_planned_from_the_buffer():
     def decoder(rows, positions, apart=False):  # what _plan reads of a decoder (apart: the decode kernel's layout)
         dec = SimpleNamespace(rows=rows, positions=positions, decode_kernel=apart)
         dec._calls_by_width = lambda groups, remaining: D._calls_by_width(dec, groups, remaining)
+        dec.holds_apart = lambda width: D.holds_apart(dec, width)
         return dec
 
     def plan(rows, positions, groups, remaining, apart=False):
         dec = decoder(rows, positions, apart)
-        return [(sum(len(q) for _, q in g), r, n) for g, r, n in D._plan(dec, groups, remaining)]
+        return [(sum(len(q) for _, q in g), r, n) for g, r, n, _ in D._plan(dec, groups, remaining)]
 
     prompts = [([1] * 60, list(range(i * 8, i * 8 + 8))) for i in range(256)]  # 2,048 sequences
     assert plan(2048, 2048 * 576, prompts, 512) == [(2048, 2048, 576)]  # all fit at full length
     # Room for rows of 384: all at once, each with 324 of its 512 tokens before it may spill.
     assert plan(2048, 2048 * 400, prompts, 512) == [(2048, 2048, 384)]
+    # Prompts narrower than APART_FROM stay in their rows with the decode kernel too.
+    assert len(prompts[0][0]) < APART_FROM and plan(2048, 2048 * 400, prompts, 512, apart=True) == [(2048, 2048, 384)]
     # Rows of 128 would give 68 tokens (< 512 / 4): calls of full-length rows instead, each as many as fit.
     assert plan(2048, 2048 * 130, prompts, 512) == [(462, 462, 576)] * 4 + [(200, 462, 576)]
     # A row cap splits a prompt's attempts over two calls.
@@ -217,7 +223,7 @@ def test_rounds_are_planned_from_the_buffer():
     # Several calls take the prefixes shortest first, so each call pads to a width near its own prompts'.
     mixed = [([1] * n, [i]) for i, n in enumerate([90, 10, 70, 30, 50, 20])]
     dec = decoder(2, 10**6)
-    assert [[len(p) for p, _ in g] for g, _, _ in D._plan(dec, mixed, 8)] == [[10, 20], [30, 50], [70, 90]]
+    assert [[len(p) for p, _ in g] for g, _, _, _ in D._plan(dec, mixed, 8)] == [[10, 20], [30, 50], [70, 90]]
     # Each call's rows as long as its own prompts need: 1,000 sequences of 100-token prompts and 24 of
     # 600 take two calls where rows sized for the longest prompt (1,152 positions) would take three.
     gsm = [([1] * 100, list(range(i * 8, i * 8 + 8))) for i in range(125)] + \

@@ -306,6 +306,10 @@ KERNEL_BLOCK = 64
 # number at least SHARE_ROWS_PER_GROUP a prompt on average (rows end and the groups thin out).
 SHARE_PROMPTS_FROM = 2 * KERNEL_BLOCK
 SHARE_ROWS_PER_GROUP = 3
+# The decode kernel holds a call's prompts apart from its rows where they take at least a block of its
+# reads: a narrower prompt saves little room, and its own range of positions costs every row a block
+# read of its own, most of a step's attention while the rows are short.
+APART_FROM = KERNEL_BLOCK
 
 
 def pow2(n: int) -> int:
@@ -511,11 +515,11 @@ class CompactDecoder:
             remaining = max(work)
             groups = work.pop(remaining)
             self.stats.rounds += 1
-            for call_groups, rows, length in self._plan(groups, remaining):
+            for call_groups, rows, length, held in self._plan(groups, remaining):
                 seqs = [q for _, qs in call_groups for q in qs]
                 ids, lps, spilled = self._call([p for p, _ in call_groups], [len(qs) for _, qs in call_groups],
                                                dataclasses.replace(params, max_new_tokens=remaining), generator,
-                                               record_logprobs, rows, length)
+                                               record_logprobs, rows, length, held)
                 for q, i, lp in zip(seqs, ids, lps):
                     out_ids[q] += i
                     out_lp[q] += lp or []
@@ -526,8 +530,13 @@ class CompactDecoder:
         self.stats.new_tokens += sum(len(x) for x in out_ids)
         return (out_ids, out_lp) if record_logprobs else out_ids
 
-    def _plan(self, groups: list, remaining: int) -> list[tuple[list, int, int]]:
-        """Calls for `groups`, each (its groups, rows, row length): all sequences at once in full-length
+    def holds_apart(self, width: int) -> bool:
+        """Whether a call's prompts of `width` positions are held apart from its rows (APART_FROM)."""
+        return self.decode_kernel and width >= APART_FROM
+
+    def _plan(self, groups: list, remaining: int) -> list[tuple[list, int, int, int]]:
+        """Calls for `groups`, each (its groups, rows, row length, the width of its prompts held apart from
+        the rows, 0 where each row holds its prompt): all sequences at once in full-length
         rows when they fit; else at once in shorter rows when those give each sequence enough new
         tokens (MIN_ROUND_SHARE); else in calls of full-length rows, each as many as its width fits."""
         n = sum(len(qs) for _, qs in groups)
@@ -536,8 +545,8 @@ class CompactDecoder:
         at_once = min(n, self.rows)
         calls = math.ceil(n / at_once)
         per_call = math.ceil(n / calls)
-        # Held apart (the decode kernel), a call's prompts take their width once each, its rows the rest.
-        held = width if self.decode_kernel else 0
+        # Held apart, a call's prompts take the widest one's width once each, its rows the rest.
+        held = width if self.holds_apart(width) else 0
         room = self.positions - min(len(groups), per_call) * held
         length = min(full, held + LENGTH_STEP * (max(0, room) // per_call // LENGTH_STEP))
         if length == full and calls > 1 or \
@@ -553,13 +562,13 @@ class CompactDecoder:
                 size += len(take)
                 qs = qs[len(take):]
                 if size == per_call:
-                    chunks.append((current, per_call, length))
+                    chunks.append((current, per_call, length, held))
                     current, size = [], 0
         if current:  # the same layout as the others: their graphs serve it
-            chunks.append((current, per_call, length))
+            chunks.append((current, per_call, length, held))
         return chunks
 
-    def _calls_by_width(self, groups: list, remaining: int) -> list[tuple[list, int, int]]:
+    def _calls_by_width(self, groups: list, remaining: int) -> list[tuple[list, int, int, int]]:
         """Calls of full-length rows, shortest prefixes first, each holding as many sequences as rows of
         its own longest prefix plus the new tokens fit: a call of short prompts then holds more of them
         than rows sized for the longest prompt of all would, so there are fewer calls, and each call
@@ -567,7 +576,7 @@ class CompactDecoder:
         width share a layout, and with it their CUDA graphs)."""
         def rows_at(width: int, prompts: int) -> int:
             full = buffer_length(width, remaining)
-            if not self.decode_kernel:
+            if not self.holds_apart(width):
                 return min(self.rows, self.positions // full)
             return min(self.rows, (self.positions - prompts * width) // (full - width))  # prompts held apart
 
@@ -579,25 +588,30 @@ class CompactDecoder:
                     raise ValueError(f"not one row of a {len(prefix)}-token prefix and {remaining} new tokens fits "
                                      f"the buffer's {self.positions} positions")
                 if room <= 0:  # this prefix would shorten the call below what it holds: the call is full
-                    chunks.append((current, rows_at(width, len(current)), buffer_length(width, remaining)))
+                    chunks.append((current, rows_at(width, len(current)), buffer_length(width, remaining),
+                                   width if self.holds_apart(width) else 0))
                     current, size, width = [], 0, 0
                     continue
                 take = qs[:room]
                 current.append((prefix, take))
                 size, width, qs = size + len(take), max(width, len(prefix)), qs[len(take):]
         if current:
-            chunks.append((current, rows_at(width, len(current)), buffer_length(width, remaining)))
+            chunks.append((current, rows_at(width, len(current)), buffer_length(width, remaining),
+                                   width if self.holds_apart(width) else 0))
         return chunks
 
-    def _call(self, prefixes, counts, params: SamplingParams, generator, record_logprobs, rows: int, length: int):
-        """One batch of sequences through the buffer laid out as `rows` x `length`: (ids per sequence,
-        log-probs per sequence or None, indices of the sequences whose row filled before they ended)."""
+    def _call(self, prefixes, counts, params: SamplingParams, generator, record_logprobs, rows: int, length: int,
+              held: int = 0):
+        """One batch of sequences through the buffer laid out as `rows` x `length`, with its prompts held
+        apart at width `held` where that is not 0: (ids per sequence, log-probs per sequence or None,
+        indices of the sequences whose row filled before they ended)."""
         n_seq = sum(counts)
-        width = max(len(p) for p in prefixes)
+        # Calls of one plan share the widest prompt's layout, the rows the positions after it.
+        width = max(held, *(len(p) for p in prefixes))
         if width >= length or n_seq > rows:
             raise ValueError(f"{n_seq} sequences of prefix width {width} do not fit a layout of "
                              f"{rows} rows x {length} positions")
-        if self.decode_kernel:  # each prompt's K/V once, apart from the rows
+        if held:  # each prompt's K/V once, apart from the rows
             self.cache.set_layout(rows, length, len(prefixes), width)
             self._apart = PromptsApart(self.cache.prompt_keys, self.cache.prompt_values, self.row_prompt, width)
         else:
@@ -818,7 +832,7 @@ class CompactDecoder:
         into a later round, whose prefill would compute their K/V again. False where no longer row fits."""
         cache = self.cache
         rows, length, prompts, held = cache.layout
-        own = LENGTH_STEP * (rows * (length - held) // b // LENGTH_STEP)
+        own = rows * (length - held) // b
         new_length = min(longest, held + own)
         if not held or new_length <= written:
             return False
