@@ -292,7 +292,8 @@ def test_a_compaction_moves_the_rows_own_positions_and_which_prompt_each_reads(k
     tokens, results = torch.zeros(8, 6, dtype=torch.long), torch.zeros(8, 6, dtype=torch.long)
     # Live: rows 1 and 2 (the first prompt's), 4, 6 and 7 (the third's); the next write is at position 6.
     assert dec._compact(8, 6, 5, 6, done, torch.arange(8), tokens, None, results, None) == 6
-    assert dec.row_prompt[:6].tolist() == [0, 0, 2, 2, 2, 0] and dec.prompts.group_rows[:6].tolist() == [2, 0, 3, 0, 0, 1]
+    assert dec.row_prompt[:6].tolist() == [0, 0, 2, 2, 2, 0]
+    assert dec.prompts.group_rows[:6].tolist() == [2, 0, 3, 0, 0, 1]
     for key in dec.cache.keys:
         assert key[:5, :, :2].flatten(1).amin(1).tolist() == [1.0, 2.0, 4.0, 6.0, 7.0]
     assert all(torch.equal(k, before) for k, before in zip(dec.cache.prompt_keys, prompts_before))

@@ -182,7 +182,8 @@ def test_full_rows_go_on_longer_in_the_room_of_ended_ones_with_the_policys_token
     # get 64 positions of their own each: when they are full, most sequences have ended and the live
     # ones go on in longer rows, in the same call.
     model, tok, _ = models("cuda")
-    prompts = prompt_ids(tok, ["Add the two numbers below and give only their sum, with no words: " + p for p in PROMPTS])
+    words = "Add the two numbers below and give only their sum, with no words: "
+    prompts = prompt_ids(tok, [words + p for p in PROMPTS])
     assert APART_FROM <= min(map(len, prompts)) and max(map(len, prompts)) < 80
     with torch.no_grad():  # the model's most likely token after these prompts: sequences end often
         frequent = int(model(input_ids=torch.tensor([prompts[0]], device="cuda")).logits[0, -1].argmax())

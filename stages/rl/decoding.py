@@ -13,23 +13,23 @@ cache. This loop runs the same model forward, with three differences:
 - on GPU, each (batch size, prefix length) decode step is captured once as a CUDA graph and
   replayed, so a step costs one launch instead of a few hundred; the decode kernel reads the prefix
   length from the GPU, so with it one graph per batch size serves every prefix length;
-- with the decode kernel, each prompt's K/V is held once, in a region of the buffer apart from the
-  rows, which hold only the positions after the prompts: a call holds more rows. The attempts of one
-  prompt (consecutive rows) read the prompt's positions once for all of them while they are many and
-  the prompt long (SharedPrompts), then each on its own.
+- with the decode kernel, each prompt of at least APART_FROM positions has its K/V held once, in a
+  region of the buffer apart from the rows, which hold only the positions after the prompts: a call
+  holds more rows. The attempts of one prompt (consecutive rows) read the prompt's positions once for
+  all of them while they are many and the prompt long (SharedPrompts), then each on its own.
 
 The buffer holds as many K/V positions as fit the free GPU memory (generate.memory_fraction). When
 that is fewer than every sequence reaching max_new_tokens needs, all sequences still start at once,
 in rows shorter than the longest completion. When the rows are full, with the prompts held apart,
 the live ones go on in longer rows laid out in the room of those that ended; the few still going
 when no longer row fits are spilled, and a later round continues them in longer rows, prefilled
-from their tokens so far. RL
-completions are mostly far shorter than the cap, so this decodes one tail of steps where calls of
-full-length rows would each decode their own. Prompts are prefilled once; without the decode kernel
-their cache is copied to each attempt's row. Sampling is HF's: temperature, then top-p, then a draw from the softmax, each sequence
-keeping its end-of-sequence token and stopping there or at max_new_tokens. The model is used only
-through its forward (input ids, position ids, a 4-D additive mask, a cache object with `update`),
-so any HF decoder whose layers all use full attention works; others are refused with the setting to
+from their tokens so far. RL completions are mostly far shorter than the cap, so this decodes one
+tail of steps where calls of full-length rows would each decode their own. Prompts are prefilled
+once; where they are not held apart, their cache is copied to each attempt's row. Sampling is HF's:
+temperature, then top-p, then a draw from the softmax, each sequence keeping its end-of-sequence
+token and stopping there or at max_new_tokens. The model is used only through its forward (input
+ids, position ids, a 4-D additive mask, a cache object with `update`), so any HF decoder whose
+layers all use full attention works; others are refused with the setting to
 use instead.
 """
 
