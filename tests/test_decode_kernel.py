@@ -13,6 +13,24 @@ from tests.devices import DEVICES
 pytest.importorskip("triton")
 
 
+def assert_policy_logprobs(plain, prompts, attempts, ids, lps, device):
+    """Each sampled token's log-prob equals a teacher-forced pass of the plain model over its sequence."""
+    from stages.rl.modeling import token_logprobs
+
+    diffs = []
+    for j, (completion, lp) in enumerate(zip(ids, lps)):
+        x = torch.tensor([prompts[j // attempts] + completion], device=device)
+        with torch.no_grad():
+            logits = plain.eval()(input_ids=x).logits
+        n = len(prompts[j // attempts])
+        diffs.append((token_logprobs(logits[:, n - 1:-1], x[:, n:])[0].cpu() - torch.tensor(lp)).abs())
+    diffs = torch.cat(diffs)
+    if device == "cpu":
+        assert diffs.max() < 1e-4, diffs.max()
+    else:
+        assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
+
+
 def step_inputs(rows, heads, kv_heads, dim, attend, device, dtype, length=320):
     """A decode step's query ([rows, heads, 1, dim], a transposed view as the layers give it), K and V
     as views of a buffer of `length` positions as RowCache gives them, and each row's additive mask
@@ -197,7 +215,6 @@ def test_the_sampler_draws_the_policys_tokens_through_the_kernel(kernels_on, mon
     # Every decode step's attention through the kernel; each drawn token's log-prob is HF's
     # teacher-forced one (the prefill runs HF's attention).
     from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length
-    from stages.rl.modeling import token_logprobs
     from tests.test_fused_layers import models
 
     device = kernels_on
@@ -211,18 +228,7 @@ def test_the_sampler_draws_the_policys_tokens_through_the_kernel(kernels_on, mon
     assert decoder.decode_kernel
     ids, lps = decoder.sample(prompts, 2, params, torch.Generator(device).manual_seed(0), record_logprobs=True)
     assert calls and all(shape[2] == 1 for shape in calls)  # decode steps, one position a row
-    diffs = []
-    for j, (completion, lp) in enumerate(zip(ids, lps)):
-        x = torch.tensor([prompts[j // 2] + completion], device=device)
-        with torch.no_grad():
-            logits = plain.eval()(input_ids=x).logits
-        n = len(prompts[j // 2])
-        diffs.append((token_logprobs(logits[:, n - 1:-1], x[:, n:])[0].cpu() - torch.tensor(lp)).abs())
-    diffs = torch.cat(diffs)
-    if device == "cpu":
-        assert diffs.max() < 1e-4, diffs.max()
-    else:
-        assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
+    assert_policy_logprobs(plain, prompts, 2, ids, lps, device)
 
 
 @pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)
@@ -232,7 +238,6 @@ def test_prompts_held_apart_give_the_policys_tokens_through_shared_reads_and_rou
     prompt would not fit, and the policy's tokens come out through the prompts' shared reads, compactions
     and a spilled round (whose prefixes are held apart in turn). Compactions: the next test."""
     from stages.rl.decoding import CompactDecoder, SamplingParams, buffer_length
-    from stages.rl.modeling import token_logprobs
     from tests.test_fused_layers import models
 
     device = kernels_on
@@ -258,19 +263,9 @@ def test_prompts_held_apart_give_the_policys_tokens_through_shared_reads_and_rou
     assert seen[0] == ((n, width + 8, 2, width), True)  # the first call: every row, the prompts apart and shared
     assert all(layout[3] > 0 for layout, _ in seen) and not all(share for _, share in seen)
     assert max(len(c) for c in ids) > 8  # a spilled sequence went on in the next round
-    diffs = []
-    for j, (completion, lp) in enumerate(zip(ids, lps)):
+    for completion in ids:
         assert eos not in completion[:-1] and (len(completion) == 16 or completion[-1] == eos)
-        x = torch.tensor([prompts[j // 3] + completion], device=device)
-        with torch.no_grad():
-            logits = plain.eval()(input_ids=x).logits
-        k = len(prompts[j // 3])
-        diffs.append((token_logprobs(logits[:, k - 1:-1], x[:, k:])[0].cpu() - torch.tensor(lp)).abs())
-    diffs = torch.cat(diffs)
-    if device == "cpu":
-        assert diffs.max() < 1e-4, diffs.max()
-    else:
-        assert diffs.mean() < 0.02 and diffs.max() < 0.1, (diffs.mean(), diffs.max())
+    assert_policy_logprobs(plain, prompts, 3, ids, lps, device)
 
 
 def test_a_compaction_moves_the_rows_own_positions_and_which_prompt_each_reads(kernels_on):
