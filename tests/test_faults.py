@@ -94,6 +94,9 @@ def same_results(run_dir: Path, reference: Path) -> None:
     assert final_weights(run_dir) == final_weights(reference)
 
 
+TRAIN_TIMEOUT_S = 45
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_generate_rank_that_exits_and_a_hung_train_rank_are_retried(reference_run, tmp_path):
@@ -102,7 +105,9 @@ def test_a_generate_rank_that_exits_and_a_hung_train_rank_are_retried(reference_
     attempt is detected (the hang within the collective timeout) and retried, and the run ends with
     the undisturbed run's results."""
     run_dir = tmp_path / "run"
-    job = sbatch_run(tmp_path, run_dir, "train.timeout_s=20")
+    # The collective timeout: past the longest wait of a rank whose peer is slow but not hung (a retried
+    # rank starts without a preload, and on two loaded cores its imports alone took over 20 s).
+    job = sbatch_run(tmp_path, run_dir, f"train.timeout_s={TRAIN_TIMEOUT_S}")
     log = run_dir / "logs" / "iter_00000" / "generate" / "attempt_1" / "rank_00001.log"
     pid = wait_in_job(job, tmp_path, lambda: rank_pid(log), 300, "generate rank 1 to start", interval=0.02)
     os.kill(pid, signal.SIGTERM)  # the rank exits non-zero (143)
@@ -126,7 +131,7 @@ def test_a_generate_rank_that_exits_and_a_hung_train_rank_are_retried(reference_
     summary = job_log(tmp_path, job)
     assert "iteration 0 generate attempt 1 failed on rank(s) 1" in summary
     assert "iteration 0 train attempt 1 failed" in summary
-    assert detect < 20 + 30  # the collective timeout plus step teardown: bounded, not forever
+    assert detect < TRAIN_TIMEOUT_S + 30  # the collective timeout plus step teardown: bounded, not forever
     same_results(run_dir, reference_run)
     no_half_files(run_dir)
     report("train rank hangs (SIGSTOP)", detect, recover)
