@@ -221,7 +221,8 @@ def test_the_sampler_draws_the_policys_tokens_through_the_kernel(kernels_on, mon
     plain, fused = models("llama", device)
     calls = []
     kernel = decoding.kernel_decode_attention
-    monkeypatch.setattr(decoding, "kernel_decode_attention", lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
+    monkeypatch.setattr(decoding, "kernel_decode_attention",
+                        lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
     params = SamplingParams(max_new_tokens=6, eos_token_id=3, pad_token_id=0)
     decoder = CompactDecoder(fused.eval(), rows=6, length=buffer_length(5, 6), cuda_graphs=device == "cuda")
@@ -319,4 +320,3 @@ def test_full_rows_are_laid_out_again_longer_in_the_room_of_ended_ones(kernels_o
         assert buf.shape[:3] == (2, 2, 28) and torch.equal(buf[:, :, :8], marks[:2].expand(2, 2, 8, buf.shape[3]))
     assert all(torch.equal(k, before) for k, before in
                zip(dec.cache.prompt_keys + dec.cache.prompt_values, prompts_before))
-    assert dec._apart.keys is dec.cache.prompt_keys  # the kernel reads the prompts through the new views

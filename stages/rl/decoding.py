@@ -417,6 +417,15 @@ class RowCache:
         v.index_copy_(2, self._write_at[device], value_states)
         return k[:, :, :self.attend - self.held], v[:, :, :self.attend - self.held]
 
+    def widen_rows(self, rows: int, length: int, kept: int) -> None:
+        """Lay the rows' region out again as `rows` rows of `length` positions, the prompts' region as it
+        was, each of the first `rows` rows keeping its first `kept` positions of its own."""
+        _, _, prompts, held = self.layout
+        before = self.keys + self.values
+        self.set_layout(rows, length, prompts, held)
+        for old, new in zip(before, self.keys + self.values):
+            new[:, :, :kept] = old[:rows, :, :kept].clone()  # the two layouts overlap: through a copy
+
     def set_prefill_rows(self, rows: torch.Tensor | None) -> None:
         self.prefill_rows, self._prefill_rows = rows, {}
 
@@ -488,7 +497,6 @@ class CompactDecoder:
             self.group_of_row = torch.zeros(rows, dtype=torch.long, device=self.device)
             # With the kernel each prompt's K/V is held once, apart from the rows: which one each row reads.
             self.row_prompt = torch.zeros(rows, dtype=torch.int32, device=self.device)
-        self._apart: PromptsApart | None = None
         # One graph per (buffer layout, rows decoded, attended prefix, prompts shared): a layout's views
         # have their own addresses and strides. The decode kernel's graphs leave the prefix out.
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -611,11 +619,8 @@ class CompactDecoder:
         if width >= length or n_seq > rows:
             raise ValueError(f"{n_seq} sequences of prefix width {width} do not fit a layout of "
                              f"{rows} rows x {length} positions")
-        if held:  # each prompt's K/V once, apart from the rows
-            self.cache.set_layout(rows, length, len(prefixes), width)
-            self._apart = PromptsApart(self.cache.prompt_keys, self.cache.prompt_values, self.row_prompt, width)
-        else:
-            self.cache.set_layout(rows, length)
+        # Held apart: each prompt's K/V once, in a region before the rows.
+        self.cache.set_layout(rows, length, len(prefixes) if held else 0, width)
         st = self.stats
         st.calls += 1
         dev, n_new = self.device, params.max_new_tokens
@@ -777,7 +782,9 @@ class CompactDecoder:
     def _step(self, b: int, attend: int) -> None:
         config = self.model.config
         before = config._attn_implementation
-        written = None
+        written, cache, apart = None, self.cache, None
+        if cache.held:  # the kernel reads each row's prompt from the prompts' region
+            apart = PromptsApart(cache.prompt_keys, cache.prompt_values, self.row_prompt, cache.held)
         if self.decode_kernel:
             # The kernel reads up to the written position itself: the layers get whole rows, and one
             # graph per batch size serves every prefix length.
@@ -787,8 +794,7 @@ class CompactDecoder:
             config._attn_implementation = DECODE_ATTENTION
         self.cache.active, self.cache.attend = b, attend
         try:
-            with decode_step_state(self.prompts if self._share else None, written,
-                                   self._apart if self.cache.held else None):
+            with decode_step_state(self.prompts if self._share else None, written, apart):
                 out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
                                  attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
                                  **{self._cache_kw: self.cache})
@@ -827,25 +833,14 @@ class CompactDecoder:
 
     def _widen(self, b: int, written: int, longest: int) -> bool:
         """The rows are full at position `written`. Where the prompts are held apart and rows have ended,
-        lay the rows' region out again as `b` rows as long as it allows (at most `longest`), each live
-        row's own positions copied to its new place: the sequences go on in this call instead of spilling
-        into a later round, whose prefill would compute their K/V again. False where no longer row fits."""
-        cache = self.cache
-        rows, length, prompts, held = cache.layout
-        own = rows * (length - held) // b
-        new_length = min(longest, held + own)
+        lay the rows' region out again as `b` rows as long as it allows (at most `longest`): the sequences
+        go on in this call instead of spilling into a later round, whose prefill would compute their K/V
+        again. False where no longer row fits."""
+        rows, length, _, held = self.cache.layout
+        new_length = min(longest, held + rows * (length - held) // b)
         if not held or new_length <= written:
             return False
-        kept = written - held
-        heads, dim = cache._shape
-        start = prompts * heads * held * dim  # the rows' region follows the prompts'
-        for flat, view in zip(cache._keys + cache._values, cache.keys + cache.values):
-            # The new rows overlap the old ones: through a copy, one layer at a time.
-            live = view[:b, :, :kept].clone()
-            flat[start:start + b * heads * (new_length - held) * dim].view(b, heads, new_length - held, dim)[
-                :, :, :kept] = live
-        cache.set_layout(b, new_length, prompts, held)
-        self._apart = PromptsApart(cache.prompt_keys, cache.prompt_values, self.row_prompt, held)
+        self.cache.widen_rows(b, new_length, written - held)
         self.stats.widenings += 1
         return True
 
