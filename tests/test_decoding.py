@@ -121,7 +121,8 @@ def test_token_frequencies_follow_the_policy(models, device, temperature, top_p)
         observed = [counts[t] for t in support] + [n - sum(counts[t] for t in support)]
         expected = [float(probs[t]) * n for t in support] + [n - sum(float(probs[t]) * n for t in support)]
         if expected[-1] < 5:
-            observed, expected = observed[:-2] + [observed[-2] + observed[-1]], expected[:-2] + [expected[-2] + expected[-1]]
+            observed = observed[:-2] + [observed[-2] + observed[-1]]
+            expected = expected[:-2] + [expected[-2] + expected[-1]]
         return chisquare(observed, expected).pvalue
 
     assert p_value(temperature) > 1e-3
