@@ -312,6 +312,20 @@ SHARE_ROWS_PER_GROUP = 3
 APART_FROM = KERNEL_BLOCK
 
 
+def prefill_passes(lengths: list[int]) -> list[tuple[int, int, int]]:
+    """The prefill's passes over prompts of these lengths, in order: (first, end, width), each as many
+    prompts as PREFILL_TOKENS positions of its own widest one hold (at least one)."""
+    passes, i = [], 0
+    while i < len(lengths):
+        j, w = i + 1, lengths[i]
+        while j < len(lengths) and (j + 1 - i) * max(w, lengths[j]) <= PREFILL_TOKENS:
+            w = max(w, lengths[j])
+            j += 1
+        passes.append((i, j, w))
+        i = j
+    return passes
+
+
 def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -378,6 +392,7 @@ class RowCache:
         self._layer_devices = layer_devices
         self._prefill_rows: dict = {}
         self.prefill_rows: torch.Tensor | None = None  # prefill: the prompts' buffer rows (held apart: regions)
+        self.prefill_start = 0
         self.set_layout(1, positions)
 
     def set_layout(self, rows: int, length: int, prompts: int = 0, width: int = 0) -> None:
@@ -405,12 +420,12 @@ class RowCache:
         k, v = self.keys[layer_idx], self.values[layer_idx]
         device = self._layer_devices[layer_idx]
         if self.prefill_rows is not None:
-            width = key_states.shape[2]
+            start, end = self.prefill_start, self.prefill_start + key_states.shape[2]
             rows = self._prefill_rows.setdefault(device, self.prefill_rows.to(device))
             if self.held:
                 k, v = self.prompt_keys[layer_idx], self.prompt_values[layer_idx]
-            k[:, :, :width].index_copy_(0, rows, key_states)
-            v[:, :, :width].index_copy_(0, rows, value_states)
+            k[:, :, start:end].index_copy_(0, rows, key_states)
+            v[:, :, start:end].index_copy_(0, rows, value_states)
             return key_states, value_states
         k, v = k[:self.active], v[:self.active]
         k.index_copy_(2, self._write_at[device], key_states)
@@ -426,8 +441,9 @@ class RowCache:
         for old, new in zip(before, self.keys + self.values):
             new[:, :, :kept] = old[:rows, :, :kept].clone()  # the two layouts overlap: through a copy
 
-    def set_prefill_rows(self, rows: torch.Tensor | None) -> None:
-        self.prefill_rows, self._prefill_rows = rows, {}
+    def set_prefill_rows(self, rows: torch.Tensor | None, start: int = 0) -> None:
+        """The prefill's K/V goes to these rows (None: decode steps), at positions from `start` on."""
+        self.prefill_rows, self._prefill_rows, self.prefill_start = rows, {}, start
 
     def set_write_position(self, pos: int) -> None:
         """The next decode step writes position `pos` of every row (held apart: index pos - width of its own)."""
@@ -714,16 +730,19 @@ class CompactDecoder:
         real = cols.unsqueeze(0) >= pads.unsqueeze(1)  # [n, width]: not padding
         positions = (cols.unsqueeze(0) - pads.unsqueeze(1)).clamp(min=0)
         first_rows = torch.cumsum(counts_t, 0) - counts_t
-        per_pass = max(1, PREFILL_TOKENS // width)
         neg = torch.finfo(self.dtype).min
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        for i in range(0, n_prompt, per_pass):
-            j = min(n_prompt, i + per_pass)
-            allowed = causal.unsqueeze(0) & real[i:j].unsqueeze(1)  # [n, q, k]
+        for i, j, w in prefill_passes([len(p) for p in prefixes]):
+            # A pass runs only its own widest prompt's last w positions (the calls take their prompts
+            # shortest first, so its prompts are of like lengths): the padding before them is masked
+            # wherever it is read, so its K/V need not be computed.
+            c = width - w
+            causal = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
+            allowed = causal.unsqueeze(0) & real[i:j, c:].unsqueeze(1)  # [n, q, k]
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, neg)
-            self.cache.set_prefill_rows(torch.arange(i, j, device=self.device) if apart else first_rows[i:j])
-            out = self.model(input_ids=ids[i:j], position_ids=positions[i:j], attention_mask=mask.unsqueeze(1),
-                             use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
+            self.cache.set_prefill_rows(torch.arange(i, j, device=self.device) if apart else first_rows[i:j], c)
+            out = self.model(input_ids=ids[i:j, c:], position_ids=positions[i:j, c:],
+                             attention_mask=mask.unsqueeze(1), use_cache=True, logits_to_keep=1,
+                             **{self._cache_kw: self.cache})
             self.logits[first_rows[i:j]] = out.logits[:, -1].float()
         self.cache.set_prefill_rows(None)
         n_seq = sum(counts)
