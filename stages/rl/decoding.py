@@ -807,16 +807,16 @@ class CompactDecoder:
         if self.decode_kernel:
             # The kernel reads up to the written position itself: the layers get whole rows, and one
             # graph per batch size serves every prefix length.
-            attend, written = self.cache.length, self.cache.write_at
+            attend, written = cache.length, cache.write_at
             config._attn_implementation = DECODE_KERNEL_ATTENTION
         elif self.decode_attention and (attend < MATMUL_ATTENTION_BELOW or self._grouped):
             config._attn_implementation = DECODE_ATTENTION
-        self.cache.active, self.cache.attend = b, attend
+        cache.active, cache.attend = b, attend
         try:
             with decode_step_state(self.prompts if self._share else None, written, apart):
                 out = self.model(input_ids=self.ids[:b], position_ids=self.position_ids[:b],
                                  attention_mask=self.mask[:b, :, :, :attend], use_cache=True, logits_to_keep=1,
-                                 **{self._cache_kw: self.cache})
+                                 **{self._cache_kw: cache})
         finally:
             config._attn_implementation = before
         self.logits[:b].copy_(out.logits[:, -1])
