@@ -15,16 +15,11 @@ pytest.importorskip("triton")
 
 def assert_policy_logprobs(plain, prompts, attempts, ids, lps, device):
     """Each sampled token's log-prob equals a teacher-forced pass of the plain model over its sequence."""
-    from stages.rl.modeling import token_logprobs
+    from tests.test_decoding import teacher_forced
 
-    diffs = []
-    for j, (completion, lp) in enumerate(zip(ids, lps)):
-        x = torch.tensor([prompts[j // attempts] + completion], device=device)
-        with torch.no_grad():
-            logits = plain.eval()(input_ids=x).logits
-        n = len(prompts[j // attempts])
-        diffs.append((token_logprobs(logits[:, n - 1:-1], x[:, n:])[0].cpu() - torch.tensor(lp)).abs())
-    diffs = torch.cat(diffs)
+    plain.eval()
+    diffs = torch.cat([(teacher_forced(plain, prompts[j // attempts], completion, 1.0) - torch.tensor(lp)).abs()
+                       for j, (completion, lp) in enumerate(zip(ids, lps))])
     if device == "cpu":
         assert diffs.max() < 1e-4, diffs.max()
     else:
