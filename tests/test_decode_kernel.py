@@ -241,7 +241,7 @@ def test_prompts_held_apart_give_the_policys_tokens_through_shared_reads_and_rou
     monkeypatch.setattr(decoding, "SHARE_PROMPTS_FROM", 8)  # these prompts are short: read them once a group anyway
     monkeypatch.setattr(decoding, "LENGTH_STEP", 8)  # rows of 8 positions of their own: few decode steps a round
     monkeypatch.setattr(decoding, "APART_FROM", 8)  # and held apart
-    monkeypatch.setattr(decoding, "PREFILL_TOKENS", 30)  # a prefill pass per prompt, each of its own width
+    monkeypatch.setattr(decoding, "PREFILL_TOKENS", 30)  # a prefill pass per prompt
     prompts = [[5 + (i * 7 + j) % 50 for j in range(12 + 18 * i)] for i in range(2)]  # 12 and 30 tokens
     eos = 3
     width, n = 30, 2 * 3

@@ -162,7 +162,7 @@ def test_the_compact_sampler_runs_the_fused_layers_and_draws_the_policys_tokens(
     params = SamplingParams(max_new_tokens=6, eos_token_id=3, pad_token_id=0)
     decoder = CompactDecoder(fused.eval(), rows=6, length=buffer_length(5, 6), cuda_graphs=device == "cuda")
     ids, lps = decoder.sample(prompts, 2, params, torch.Generator(device).manual_seed(0), record_logprobs=True)
-    assert 1 in widths and 5 in widths, widths  # decode steps of one position, the prefill of the prompts
+    assert 1 in widths and 10 in widths, widths  # decode steps of one position, the prefill of the prompts packed
     diffs = []
     for j, (completion, lp) in enumerate(zip(ids, lps)):
         prompt = prompts[j // 2]

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stages.rl import packing
+
 log = logging.getLogger("syncrl.generate")
 
 # The attended prefix grows in steps of this many positions: each step is one more CUDA graph per
@@ -312,16 +314,16 @@ SHARE_ROWS_PER_GROUP = 3
 APART_FROM = KERNEL_BLOCK
 
 
-def prefill_passes(lengths: list[int]) -> list[tuple[int, int, int]]:
-    """The prefill's passes over prompts of these lengths, in order: (first, end, width), each as many
-    prompts as PREFILL_TOKENS positions of its own widest one hold (at least one)."""
+def prefill_passes(lengths: list[int]) -> list[tuple[int, int]]:
+    """The prefill's passes over prompts of these lengths, in order: (first, end), each as many prompts
+    as PREFILL_TOKENS tokens hold (at least one)."""
     passes, i = [], 0
     while i < len(lengths):
-        j, w = i + 1, lengths[i]
-        while j < len(lengths) and (j + 1 - i) * max(w, lengths[j]) <= PREFILL_TOKENS:
-            w = max(w, lengths[j])
+        j, tokens = i + 1, lengths[i]
+        while j < len(lengths) and tokens + lengths[j] <= PREFILL_TOKENS:
+            tokens += lengths[j]
             j += 1
-        passes.append((i, j, w))
+        passes.append((i, j))
         i = j
     return passes
 
@@ -390,9 +392,9 @@ class RowCache:
         self._write_at = {d: torch.zeros(1, dtype=torch.long, device=d) for d in devices}
         self.write_at = self._write_at[layer_devices[0]]
         self._layer_devices = layer_devices
-        self._prefill_rows: dict = {}
-        self.prefill_rows: torch.Tensor | None = None  # prefill: the prompts' buffer rows (held apart: regions)
-        self.prefill_start = 0
+        # Prefill: the buffer row (held apart: the prompts' region) and position of each token, per device.
+        self._prefill_at: dict = {}
+        self.prefill_at: tuple | None = None
         self.set_layout(1, positions)
 
     def set_layout(self, rows: int, length: int, prompts: int = 0, width: int = 0) -> None:
@@ -419,13 +421,12 @@ class RowCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.keys[layer_idx], self.values[layer_idx]
         device = self._layer_devices[layer_idx]
-        if self.prefill_rows is not None:
-            start, end = self.prefill_start, self.prefill_start + key_states.shape[2]
-            rows = self._prefill_rows.setdefault(device, self.prefill_rows.to(device))
+        if self.prefill_at is not None:  # packed prompts: key_states [1, heads, tokens, head_dim]
+            rows, cols = self._prefill_at.setdefault(device, tuple(t.to(device) for t in self.prefill_at))
             if self.held:
                 k, v = self.prompt_keys[layer_idx], self.prompt_values[layer_idx]
-            k[:, :, start:end].index_copy_(0, rows, key_states)
-            v[:, :, start:end].index_copy_(0, rows, value_states)
+            k[rows, :, cols] = key_states[0].transpose(0, 1)
+            v[rows, :, cols] = value_states[0].transpose(0, 1)
             return key_states, value_states
         k, v = k[:self.active], v[:self.active]
         k.index_copy_(2, self._write_at[device], key_states)
@@ -441,9 +442,10 @@ class RowCache:
         for old, new in zip(before, self.keys + self.values):
             new[:, :, :kept] = old[:rows, :, :kept].clone()  # the two layouts overlap: through a copy
 
-    def set_prefill_rows(self, rows: torch.Tensor | None, start: int = 0) -> None:
-        """The prefill's K/V goes to these rows (None: decode steps), at positions from `start` on."""
-        self.prefill_rows, self._prefill_rows, self.prefill_start = rows, {}, start
+    def set_prefill_at(self, rows: torch.Tensor | None, cols: torch.Tensor | None = None) -> None:
+        """The prefill's K/V of each token goes to buffer row `rows[t]` (held apart: the prompts' region),
+        position `cols[t]` (None: decode steps)."""
+        self.prefill_at, self._prefill_at = (None if rows is None else (rows, cols)), {}
 
     def set_write_position(self, pos: int) -> None:
         """The next decode step writes position `pos` of every row (held apart: index pos - width of its own)."""
@@ -725,26 +727,33 @@ class CompactDecoder:
         n_prompt = len(prefixes)
         counts_t = torch.tensor(counts, device=self.device)
         pads = torch.tensor([width - len(p) for p in prefixes], device=self.device)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prefixes], device=self.device)
-        cols = torch.arange(width, device=self.device)
-        real = cols.unsqueeze(0) >= pads.unsqueeze(1)  # [n, width]: not padding
-        positions = (cols.unsqueeze(0) - pads.unsqueeze(1)).clamp(min=0)
+        real = torch.arange(width, device=self.device).unsqueeze(0) >= pads.unsqueeze(1)  # [n, width]: not padding
         first_rows = torch.cumsum(counts_t, 0) - counts_t
         neg = torch.finfo(self.dtype).min
-        for i, j, w in prefill_passes([len(p) for p in prefixes]):
-            # A pass runs only its own widest prompt's last w positions (the calls take their prompts
-            # shortest first, so its prompts are of like lengths): the padding before them is masked
-            # wherever it is read, so its K/V need not be computed.
-            c = width - w
-            causal = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
-            allowed = causal.unsqueeze(0) & real[i:j, c:].unsqueeze(1)  # [n, q, k]
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, neg)
-            self.cache.set_prefill_rows(torch.arange(i, j, device=self.device) if apart else first_rows[i:j], c)
-            out = self.model(input_ids=ids[i:j, c:], position_ids=positions[i:j, c:],
-                             attention_mask=mask.unsqueeze(1), use_cache=True, logits_to_keep=1,
-                             **{self._cache_kw: self.cache})
-            self.logits[first_rows[i:j]] = out.logits[:, -1].float()
-        self.cache.set_prefill_rows(None)
+        # The prompts run packed, one sequence of their tokens with the attention within each prompt
+        # (packing.packed_attention): the padding that left-aligns them in the buffer is not computed.
+        lengths = [len(p) for p in prefixes]
+        lengths_t = torch.tensor(lengths, device=self.device)
+        packing.register_packed_attention()
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = packing.ATTENTION
+        try:
+            for i, j in prefill_passes(lengths):
+                n = lengths_t[i:j]
+                ids = torch.tensor([t for p in prefixes[i:j] for t in p], device=self.device).unsqueeze(0)
+                cu = torch.nn.functional.pad(torch.cumsum(n, 0), (1, 0)).int()
+                at = torch.arange(ids.shape[1], device=self.device) - cu[:-1].repeat_interleave(n)  # within its prompt
+                rows = torch.arange(i, j, device=self.device) if apart else first_rows[i:j]
+                self.cache.set_prefill_at(rows.repeat_interleave(n), at + pads[i:j].repeat_interleave(n))
+                longest = max(lengths[i:j])
+                out = self.model(input_ids=ids, position_ids=at.unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                 max_length_q=longest, max_length_k=longest, use_cache=True,
+                                 logits_to_keep=cu[1:] - 1, **{self._cache_kw: self.cache})
+                self.logits[first_rows[i:j]] = out.logits[0].float()
+        finally:
+            config._attn_implementation = before
+            self.cache.set_prefill_at(None)
         n_seq = sum(counts)
         if n_seq > n_prompt:  # each prefix's logits (and, in rows of their own, its cache) to its group's other rows
             source = first_rows.repeat_interleave(counts_t)

@@ -121,11 +121,16 @@ def model_kwargs(batch: dict) -> dict:
 def use_packed_attention(model) -> None:
     """Make `model` (an HF model) run its attention through packed_attention: variable-length for
     packed batches, SDPA for padded ones."""
+    register_packed_attention()
+    model.set_attn_implementation(ATTENTION)
+
+
+def register_packed_attention() -> None:
+    """packed_attention registered with transformers as ATTENTION, for a forward that names it."""
     from transformers import AttentionInterface
 
     _VARLEN[0] = _varlen_attn()
     AttentionInterface.register(ATTENTION, packed_attention)
-    model.set_attn_implementation(ATTENTION)
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
