@@ -112,6 +112,37 @@ def test_prompts_prefilled_packed_in_several_passes_give_the_policys_log_probs(m
     assert_teacher_forced(model, prompts, 3, ids, lps, 1.0, device)
 
 
+def test_a_model_whose_layers_drop_the_packed_offsets_is_refused_with_the_setting_to_use(models):
+    """A model whose layers do not hand attention keywords on would run the packed prompts' attention
+    across prompts (causal over the whole pack), silently: the prefill refuses it instead."""
+    import functools
+
+    model, tok, _ = models("cpu")
+    dropping = {}
+
+    def without_offsets(forward, *args, **kwargs):
+        dropping["calls"] = dropping.get("calls", 0) + 1
+        return forward(*args, **{k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length"))})
+
+    layers = [m for m in model.modules() if hasattr(m, "q_proj")]  # the attention modules
+    own = [m.__dict__.get("forward") for m in layers]  # a forward set on the instance (the fused layers')
+    for m in layers:
+        m.forward = functools.partial(without_offsets, m.forward)
+    try:
+        params = SamplingParams(max_new_tokens=4, eos_token_id=-1, pad_token_id=tok.pad_token_id)
+        with pytest.raises(ValueError, match="packed prompts' offsets.*generate.cache=static"):
+            decode(model, prompt_ids(tok), 2, params, seed=0, kernel=False, graphs=False)
+    finally:
+        for m, forward in zip(layers, own):
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
+    assert dropping["calls"] == 1  # the first layer's attention refused it
+    ids, _ = decode(model, prompt_ids(tok), 2, params, seed=0, kernel=False, graphs=False)  # the model as it was
+    assert all(len(c) == 4 for c in ids)
+
+
 def test_prefill_passes_take_as_many_prompts_as_their_tokens_allow(monkeypatch):
     from stages.rl import decoding
 

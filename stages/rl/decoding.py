@@ -739,18 +739,20 @@ class CompactDecoder:
         before = config._attn_implementation
         config._attn_implementation = packing.ATTENTION
         try:
-            for i, j in prefill_passes(lengths):
-                n = lengths_t[i:j]
-                ids = torch.tensor([t for p in prefixes[i:j] for t in p], device=self.device).unsqueeze(0)
-                cu = torch.nn.functional.pad(torch.cumsum(n, 0), (1, 0)).int()
-                at = torch.arange(ids.shape[1], device=self.device) - cu[:-1].repeat_interleave(n)  # within its prompt
-                rows = torch.arange(i, j, device=self.device) if apart else first_rows[i:j]
-                self.cache.set_prefill_at(rows.repeat_interleave(n), at + pads[i:j].repeat_interleave(n))
-                longest = max(lengths[i:j])
-                out = self.model(input_ids=ids, position_ids=at.unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                                 max_length_q=longest, max_length_k=longest, use_cache=True,
-                                 logits_to_keep=cu[1:] - 1, **{self._cache_kw: self.cache})
-                self.logits[first_rows[i:j]] = out.logits[0].float()
+            with packing.offsets_required():
+                for i, j in prefill_passes(lengths):
+                    n = lengths_t[i:j]
+                    ids = torch.tensor([t for p in prefixes[i:j] for t in p], device=self.device).unsqueeze(0)
+                    cu = torch.nn.functional.pad(torch.cumsum(n, 0), (1, 0)).int()
+                    # Each token's position within its own prompt.
+                    at = torch.arange(ids.shape[1], device=self.device) - cu[:-1].repeat_interleave(n)
+                    rows = torch.arange(i, j, device=self.device) if apart else first_rows[i:j]
+                    self.cache.set_prefill_at(rows.repeat_interleave(n), at + pads[i:j].repeat_interleave(n))
+                    longest = max(lengths[i:j])
+                    out = self.model(input_ids=ids, position_ids=at.unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                     max_length_q=longest, max_length_k=longest, use_cache=True,
+                                     logits_to_keep=cu[1:] - 1, **{self._cache_kw: self.cache})
+                    self.logits[first_rows[i:j]] = out.logits[0].float()
         finally:
             config._attn_implementation = before
             self.cache.set_prefill_at(None)

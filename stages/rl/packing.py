@@ -13,6 +13,7 @@ mask as padding is (tests/test_packing.py checks the gradients are the same).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import NamedTuple
@@ -133,11 +134,32 @@ def register_packed_attention() -> None:
     AttentionInterface.register(ATTENTION, packed_attention)
 
 
+# Set while a forward runs packed rows that the caller built (offsets_required): an attention call
+# without their offsets then comes from a model whose layers do not hand attention keywords on.
+_OFFSETS_REQUIRED = [False]
+
+
+@contextlib.contextmanager
+def offsets_required():
+    """Within this block every packed_attention call must get the rows' offsets: without them the
+    fallback below would attend causally across the packed rows (each row's tokens to the rows
+    before it), silently. The compact sampler's packed prefill runs in one."""
+    _OFFSETS_REQUIRED[0] = True
+    try:
+        yield
+    finally:
+        _OFFSETS_REQUIRED[0] = False
+
+
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      cu_seq_lens_q=None, max_length_q=None, **kwargs):
     """transformers' attention-function contract: query [1, H, T, D], key/value [1, Hkv, T, D]; returns
     ([1, T, H, D], None). Without row offsets (a padded batch) it is transformers' SDPA attention."""
     if cu_seq_lens_q is None:
+        if _OFFSETS_REQUIRED[0]:
+            raise ValueError(f"{type(module).__name__} was called without the packed prompts' offsets "
+                             "(cu_seq_lens_q): this model's layers do not pass attention keywords on, so its "
+                             "prompts cannot be prefilled packed; set generate.cache=static")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
