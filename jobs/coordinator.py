@@ -328,6 +328,7 @@ class Coordinator:
         # so the background stages they must follow are finished first.
         go = markers.marker_path(self.paths, it, stage)
         released = [(key, early_attempt) for key, (_, early_attempt, after) in self.early.items() if after == go]
+        t_handoff = time.time()
         for (it2, nxt), _ in released:
             self._join_background_before(it2, nxt)
             if nxt == "train" and it2 > 0:
@@ -338,7 +339,10 @@ class Coordinator:
                 self.engines.ensure(it2)
         for (it2, nxt), early_attempt in released:
             self._write_state(it2, nxt, "running", early_attempt)
-        self._write_stage_marker(it, stage, inputs, first_start, attempt)
+        # What the stages this marker lets go waited for (a checkpoint written after train's marker,
+        # processes still exiting) lies between this stage's rank markers and its own.
+        handoff = {"handoff_s": round(time.time() - t_handoff, 3)} if released else {}
+        self._write_stage_marker(it, stage, inputs, first_start, attempt, handoff)
         return launched
 
     def _all_marked(self, it: int, stage: str, n: int, inputs: str, attempt: int) -> bool:
@@ -571,9 +575,10 @@ class Coordinator:
 
         return policies.until_empty(self.cfg.tuning.marker_wait_s)(missing) if wait else missing()
 
-    def _write_stage_marker(self, it: int, stage: str, inputs: str, start: float, attempt: int) -> None:
+    def _write_stage_marker(self, it: int, stage: str, inputs: str, start: float, attempt: int,
+                            extra: dict | None = None) -> None:
         marker = markers.record_stage_done(self.paths, it, stage, self.launcher.ntasks(stage), attempt=attempt,
-                                           start=start, config_hash=self.chash, inputs=inputs)
+                                           start=start, config_hash=self.chash, inputs=inputs, extra=extra)
         log.info("iteration %d %-8s done in %.1fs: %s", it, stage, marker["duration_s"], marker.get("summary", ""))
         self.metrics.stage_done(it, stage, marker)
 

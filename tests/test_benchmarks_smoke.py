@@ -134,7 +134,7 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
     for needle in ("wall time per stage", "train start-up phases", "deepspeed_initialize", "checkpoint GB/s",
                    "start-up per stage", "non-compute share", "tensors differ from base", "process exit",
                    "preload past turn s", "train preload, started early", "deepspeed_lazy_modules",
-                   "of roofline, shared"):
+                   "of roofline, shared", "handoff: the stage's marker held"):
         assert needle in out, needle
     import json
     figures = json.loads((tmp_path / "pipe.json").read_text())
@@ -145,13 +145,16 @@ def test_pipeline_benchmark_reports_every_figure(tmp_path, tiny_run):
     assert all(it["train"]["preload_late_s"] >= 0 for it in figures["iterations"])
     exits = figures["iterations"][0]["exit_s"]  # a stage's marker comes after its ranks' markers
     assert sorted(exits) == sorted(["generate", "score", "gather", "train", "save", "persist"]) and min(exits.values()) >= 0
+    # Gather's marker let train 1 (started early) go once train 0's checkpoint, written after its marker, was whole.
+    gather = json.loads((tiny_run.dir / "iter_00001/markers/gather.done").read_text())
+    assert gather["handoff_s"] >= 0 and figures["iterations"][1]["handoff_s"]["gather"] == gather["handoff_s"]
     assert "critical path, s" in out and "TB/s (H200, for no GPU)" in out and figures["hbm_bytes_per_s"] == 4.8e12
     for it in figures["iterations"]:  # the stages' spans add up to the iteration, their parts to each span
         path = it["critical_path"]
         assert sum(p["span_s"] for p in path.values()) == pytest.approx(it["iteration_s"])
         for p in path.values():
             assert sum(v for k, v in p.items() if k != "span_s") == pytest.approx(p["span_s"])
-            assert p["start"] >= 0 and p["exit"] >= 0 and p["work"] > 0
+            assert p["start"] >= 0 and p["exit"] >= 0 and p["handoff"] >= 0 and p["work"] > 0
         assert path["generate"]["model load"] > 0
         # Train's model load is on the critical path, or was done before its turn (tuning.set_up_early).
         assert path["train"]["model load"] > 0 or it["train_preload"].get("set_up load_models", 0) > 0

@@ -310,9 +310,10 @@ _RANK_FIELDS = ("outputs", "prunable", "stage", "iteration", "rank", "host", "at
 
 
 def record_stage_done(paths: RunPaths, it: int, stage: str, ranks: int, *, attempt: int, start: float,
-                      config_hash: str, inputs: str) -> dict:
+                      config_hash: str, inputs: str, extra: dict | None = None) -> dict:
     """The stage marker, merged from its `ranks` rank markers (outputs of all, the first rank's
-    figures, the worst rank's peak memory), written once every rank is done; its state file goes."""
+    figures, the worst rank's peak memory) and the coordinator's `extra`, written once every rank is
+    done; its state file goes."""
     found = [read_marker(paths, it, stage, r) for r in range(ranks)]
     outputs, prunable = {}, []
     for m in found:
@@ -324,7 +325,7 @@ def record_stage_done(paths: RunPaths, it: int, stage: str, ranks: int, *, attem
         paths, it, stage, None, attempt=attempt, start=start, config_hash=config_hash, inputs=inputs,
         outputs=outputs, extra={**summary, "memory": memory, "world_size": ranks, "attempts": attempt,
                                 "hosts": sorted({m["host"] for m in found}), "prunable": sorted(set(prunable)),
-                                "duration_s": time.time() - start})
+                                "duration_s": time.time() - start, **(extra or {})})
     paths.stage_state(it, stage).unlink(missing_ok=True)
     return marker
 

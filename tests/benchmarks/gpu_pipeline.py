@@ -15,7 +15,9 @@ then prints, from the completion markers:
   dense bf16, datasheet). A second figure counts every position the GPUs ran (prompt, completion and
   right padding of each micro-batch);
 - save: consolidation of the ZeRO checkpoint, HF export time, exported bytes and GB/s;
-- process exit: from a stage's last rank marker to the coordinator seeing its processes gone;
+- process exit: from a stage's last rank marker to the coordinator seeing its processes gone, and
+  the handoff: what the coordinator waited for before letting the stages started early after it go
+  (the previous train's checkpoint written after its marker, processes still exiting);
 - that every exported model loads with AutoModelForCausalLM.from_pretrained, and that training
   changed the weights.
 
@@ -234,7 +236,9 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
             "iteration_s": m["save"]["end"] - m["generate"]["start"],
             # From the last rank's marker to the coordinator seeing every process gone: the next
             # stage's turn waits for it.
-            "exit_s": {s: m[s]["end"] - max(r["end"] for r in rank_markers(run_dir, it, s)) for s in STAGES},
+            "handoff_s": {s: m[s].get("handoff_s", 0.0) for s in STAGES},
+            "exit_s": {s: max(0.0, m[s]["end"] - max(r["end"] for r in rank_markers(run_dir, it, s))
+                              - m[s].get("handoff_s", 0.0)) for s in STAGES},
             "generate": {
                 "ranks": len(gen), "rows": sum(r["rows"] for r in gen), "new_tokens": gen_tokens,
                 "load_s": max(r["load_s"] for r in gen), "generate_s": gen_s,
@@ -412,9 +416,12 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
     print("\nstart-up per stage: process start (started early: its turn) to first useful work (s)")
     for stage in ("generate", "train", "save"):
         print(f"  {stage:<21}", "  ".join(f"{r['startup_s'][stage]:>9.1f}" for r in per_it))
-    print("\nprocess exit: the last rank's marker to the stage's (s)")
+    print("\nprocess exit: the last rank's marker to the stage's, less the handoff (s)")
     for stage in STAGES:
         print(f"  {stage:<21}", "  ".join(f"{r['exit_s'][stage]:>9.2f}" for r in per_it))
+    print("handoff: the stage's marker held for what the stages started early after it wait for (s)")
+    for stage in STAGES:
+        print(f"  {stage:<21}", "  ".join(f"{r['handoff_s'][stage]:>9.2f}" for r in per_it))
     print("\niteration wall s (generate's turn to save's marker)",
           "  ".join(f"{r['iteration_s']:>9.1f}" for r in per_it), f"  | mean {fmean(r['iteration_s'] for r in per_it):.1f}")
     print_critical_path(per_it)
@@ -431,7 +438,8 @@ def report(run_dir: Path, iterations: int, wall: float | None, peak: float, band
 
 
 # The parts of a stage's time on the critical path, in the order they happen.
-PATH_PARTS = ("start", "process group", "model load", "resume", "warm-up", "work", "checkpoint", "exit", "other")
+PATH_PARTS = ("start", "process group", "model load", "resume", "warm-up", "work", "checkpoint", "exit", "handoff",
+              "other")
 CRITICAL_STAGES = ("generate", "score", "gather", "train", "save")
 
 
@@ -440,7 +448,9 @@ def critical_path(run_dir: Path, it: int, m: dict) -> dict:
     stage's marker; generate's own start) to its marker, the slowest rank's parts. start: its
     process's launch and imports, or for one started early, how late it saw its turn (its preload, or
     train's set-up before the turn, running past it); exit: from the last rank's marker to the
-    stage's; other: the rest of the span (reading inputs, writing outputs; below zero where a process
+    stage's, less handoff: what the coordinator waited for there before letting the stages started
+    early after it go (the previous train's checkpoint written after its marker, processes still
+    exiting); other: the rest of the span (reading inputs, writing outputs; below zero where a process
     started early saw its turn before the coordinator did). The stages' spans add up to the iteration
     (generate's turn to save's marker)."""
     out = {}
@@ -451,7 +461,8 @@ def critical_path(run_dir: Path, it: int, m: dict) -> dict:
         span = m[stage]["end"] - turn
         parts = dict.fromkeys(PATH_PARTS, 0.0)
         parts["start"] = max(0.0, min(span, last["start"] - turn))
-        parts["exit"] = max(0.0, m[stage]["end"] - last["end"])
+        parts["handoff"] = m[stage].get("handoff_s", 0.0)
+        parts["exit"] = max(0.0, m[stage]["end"] - last["end"] - parts["handoff"])
         if stage == "generate":
             sampling = last.get("sampling", {})
             parts["model load"] = last.get("load_s", 0.0)
