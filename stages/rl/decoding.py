@@ -470,6 +470,7 @@ class CompactDecoder:
     def __init__(self, model, rows: int, length: int, cuda_graphs: bool = True, decode_attention: bool = True,
                  positions: int | None = None, decode_kernel: bool = True):
         check_supported(model.config)
+        packing.register_packed_attention()  # the prefill's
         if decode_attention:
             from transformers import AttentionInterface
 
@@ -734,7 +735,6 @@ class CompactDecoder:
         # (packing.packed_attention): the padding that left-aligns them in the buffer is not computed.
         lengths = [len(p) for p in prefixes]
         lengths_t = torch.tensor(lengths, device=self.device)
-        packing.register_packed_attention()
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = packing.ATTENTION
@@ -748,10 +748,10 @@ class CompactDecoder:
                     at = torch.arange(ids.shape[1], device=self.device) - cu[:-1].repeat_interleave(n)
                     rows = torch.arange(i, j, device=self.device) if apart else first_rows[i:j]
                     self.cache.set_prefill_at(rows.repeat_interleave(n), at + pads[i:j].repeat_interleave(n))
-                    longest = max(lengths[i:j])
-                    out = self.model(input_ids=ids, position_ids=at.unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                                     max_length_q=longest, max_length_k=longest, use_cache=True,
-                                     logits_to_keep=cu[1:] - 1, **{self._cache_kw: self.cache})
+                    packed = packing.model_kwargs(dict(position_ids=at.unsqueeze(0), cu_seq_lens=cu,
+                                                       max_length=max(lengths[i:j])))
+                    out = self.model(input_ids=ids, **{**packed, "use_cache": True}, logits_to_keep=cu[1:] - 1,
+                                     **{self._cache_kw: self.cache})
                     self.logits[first_rows[i:j]] = out.logits[0].float()
         finally:
             config._attn_implementation = before
